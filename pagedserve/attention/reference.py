@@ -1,0 +1,41 @@
+"""The slow, obviously correct attention the fast paths are tested against.
+
+Token by token through the block table, one request at a time, fp64 softmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+def reference_paged_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+) -> torch.Tensor:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    block_table = meta.block_table.tolist()
+    for i in range(meta.num_reqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        seq_len, context_len = meta.seq_lens[i], meta.context_lens[i]
+        keys = torch.stack(
+            [key_cache[block_table[i][p // block_size], p % block_size] for p in range(seq_len)]
+        ).double()  # (S, Hkv, D)
+        values = torch.stack(
+            [value_cache[block_table[i][p // block_size], p % block_size] for p in range(seq_len)]
+        ).double()
+        for j in range(end - start):
+            position = context_len + j
+            for h in range(num_heads):
+                kv_head = h // group
+                query = q[start + j, h].double()
+                scores = keys[: position + 1, kv_head] @ query / math.sqrt(head_dim)
+                weights = torch.softmax(scores, dim=0)
+                out[start + j, h] = (weights @ values[: position + 1, kv_head]).to(q.dtype)
+    return out

@@ -1,0 +1,136 @@
+"""Small frozen configs, one per consumer, validated once.
+
+The scheduler gets SchedulerConfig and CacheConfig only; models get ModelConfig only. Nothing here
+imports torch, so the control plane and its tests stay torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """An architecture's shape, normalized once from GGUF metadata or an HF config.json.
+
+    Models read these fields and never the source config.
+    """
+
+    architecture: str
+    """Our registry key: "llama" or "qwen2"."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    """The model's trained context length."""
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2)."""
+    o_bias: bool = False
+    """Bias on the attention output projection."""
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    """Every token id that ends generation (the GGUF eos plus, when known, the chat end token)."""
+    name: str = ""
+    """A display name for /v1/models and logs."""
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory_bytes: int = 2 << 30
+    """Bytes for the whole KV pool (all layers, K and V); the block count derives from it."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of identical prompt prefixes across requests."""
+    num_gpu_blocks_override: int | None = None
+    """Fix the block count instead of deriving it from the memory budget (tests use tiny pools)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError("num_gpu_blocks_override must be >= 2 (block 0 is reserved)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Maximum number of requests in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget per step; longer prompts are prefilled in chunks."""
+    max_model_len: int = 8192
+    """Longest sequence (prompt + output) a request may reach."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget over several steps."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one request's prefill tokens per step, so several prompts share a step (0: no cap)."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"
+    """"cpu" or "cuda" (or "cuda:N")."""
+    dtype: str = "bfloat16"
+    """Compute dtype: "float32" or "bfloat16" (float16 on cuda too)."""
+    num_threads: int | None = None
+    """torch intra-op threads on the CPU; None leaves torch's default."""
+    seed: int = 0
+    """Seed for the engine's unseeded sampling stream."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; each component receives only its own part."""
+
+    model_path: str
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)

@@ -1,0 +1,90 @@
+"""The typed messages between the scheduler, the model runner and the engine.
+
+scheduler --SchedulerOutput--> model runner --ModelRunnerOutput--> scheduler --EngineCoreOutput--> engine
+Plain Python data only: these cross process boundaries later (msgpack-able, never pickled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Everything the runner needs about a request it has not seen (or has forgotten after a
+    preemption): sent once."""
+
+    req_id: str
+    token_ids: list[int]
+    """Prompt plus any output tokens generated before a preemption."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    """Tokens with KV already in the cache (prefix-cache hits) before this step's tokens."""
+
+
+@dataclass
+class CachedRequestData:
+    """What changed for requests the runner already holds: parallel lists, one entry each."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """req_id -> tokens to compute this step, in batch order."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    """Requests finished or preempted since the last step: the runner drops their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Top logprobs at one position: the chosen token first, then the top-k by rank."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    chosen_rank: int
+    """Rank of the chosen token in the model's distribution (1 = most likely)."""
+
+
+PromptLogprobsChunk = tuple[int, list[TokenLogprobs]]
+"""(position of the first prompt token covered, its logprobs and those after it). Position 0 has
+no logprob; a request recomputed after preemption may resend positions already sent."""
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Only requests whose prompt is fully computed sample; mid-prefill chunks are absent."""
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    """Logprobs of the prompt tokens computed this step."""
+
+
+@dataclass
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: PromptLogprobsChunk | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

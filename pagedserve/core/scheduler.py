@@ -1,0 +1,330 @@
+"""The token-centric scheduler: each step hands out tokens under a budget.
+
+A request has `num_tokens` and `num_computed_tokens`; a step gives it
+min(num_tokens - num_computed_tokens, budget left) tokens. Prefill chunks, prefix-cache hits and
+decodes are the same arithmetic. Running requests go first (decodes and unfinished prompt chunks),
+then waiting requests fill what is left. When blocks run out, the lowest-priority running request
+is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedserve.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens_computed: int
+    num_generation_tokens: int
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        # Heap of (priority, arrival_time, sequence, request): lower priority value runs first.
+        self._waiting: list[tuple[int, float, int, Request]] = []
+        self._sequence = itertools.count()
+        self.running: list[Request] = []
+        self._finished_req_ids: set[str] = set()
+        """Finished or preempted since the last schedule(); the runner drops their state."""
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generation_tokens = 0
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raise ValueError if it could never run on this engine."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; the context length is "
+                f"{self.config.max_model_len} and at least one token must be generated"
+            )
+        num_blocks_needed = cdiv(max_len, self.block_size)
+        num_usable = self.kv_cache_manager.block_pool.num_usable_blocks
+        if num_blocks_needed > num_usable:
+            raise ValueError(
+                f"request needs {num_blocks_needed} KV blocks ({max_len} tokens) but the whole "
+                f"KV cache has {num_usable}; lower max_tokens or raise the KV cache memory"
+            )
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        entry = (request.priority, request.arrival_time, next(self._sequence), request)
+        heapq.heappush(self._waiting, entry)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs = CachedRequestData()
+        new_block_ids: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests: decodes and unfinished prompts, in order.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._num_new_tokens(request, token_budget)
+            new_blocks = None
+            while num_new_tokens > 0:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                if victim_index < req_index:
+                    req_index -= 1
+                if victim.request_id in num_scheduled:  # scheduled earlier in this step
+                    token_budget += num_scheduled.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                if num_new_tokens > 0:  # the request preempted itself: nothing smaller can run
+                    break
+                req_index += 1
+                continue
+            num_scheduled[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests, by priority then arrival; not while this step had to preempt.
+        while (
+            self._waiting
+            and not preempted
+            and token_budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self._waiting[0][3]
+            computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if self.config.long_prefill_token_threshold:
+                num_new_tokens = min(num_new_tokens, self.config.long_prefill_token_threshold)
+            if num_new_tokens > token_budget and not self.config.enable_chunked_prefill:
+                break
+            num_new_tokens = min(num_new_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, computed_blocks
+            )
+            if new_blocks is None:
+                break
+            heapq.heappop(self._waiting)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = time.monotonic()
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
+
+        new_req_ids = {data.req_id for data in new_reqs}
+        for req_id, block_ids in new_block_ids.items():
+            if req_id in new_req_ids:
+                continue
+            cached_reqs.req_ids.append(req_id)
+            cached_reqs.new_block_ids.append(block_ids)
+            cached_reqs.num_computed_tokens.append(self.requests[req_id].num_computed_tokens)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+        )
+        self._finished_req_ids = set()
+        # Progress is advanced now, at scheduling: the next schedule() may run before this
+        # step's results are back (async scheduling), and must not hand out the same tokens.
+        for req_id, num_tokens in num_scheduled.items():
+            request = self.requests[req_id]
+            num_prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(num_tokens, num_prompt_left))
+            request.num_computed_tokens += num_tokens
+        return output
+
+    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        num_new_tokens = request.num_tokens - request.num_computed_tokens
+        if self.config.long_prefill_token_threshold:
+            num_new_tokens = min(num_new_tokens, self.config.long_prefill_token_threshold)
+        return min(num_new_tokens, token_budget)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._finished_req_ids.add(request.request_id)
+        self._push_waiting(request)
+
+    # ---- results ----------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
+            new_logprobs = runner_output.logprobs.get(req_id)
+            stopped = False
+            for num_accepted, token_id in enumerate(new_token_ids, start=1):
+                request.append_output_token_ids([token_id])
+                if request.check_stop(self.config.max_model_len):
+                    stopped = True
+                    new_token_ids = new_token_ids[:num_accepted]
+                    if new_logprobs is not None:
+                        new_logprobs = new_logprobs[:num_accepted]
+                    break
+            if new_token_ids:
+                self.num_generation_tokens += len(new_token_ids)
+                if request.times.first_token is None:
+                    request.times.first_token = now
+                request.times.last_token = now
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if not new_token_ids and prompt_logprobs is None and not stopped:
+                continue
+            if stopped:
+                self._free_request(request)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=new_logprobs,
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                    first_scheduled_time=request.times.first_scheduled,
+                )
+            )
+        return outputs
+
+    def finish_requests(
+        self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
+    ) -> list[Request]:
+        """Finish requests from outside the step (abort, or a stop string found in the text)."""
+        assert status.is_finished
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self._waiting = [entry for entry in self._waiting if entry[3] is not request]
+                heapq.heapify(self._waiting)
+            request.status = status
+            request.stop_reason = stop_reason
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished
+        if request in self.running:
+            self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.times.finished = time.monotonic()
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self._waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise if requests, queues and block tables disagree."""
+        self.kv_cache_manager.check_integrity()
+        waiting = [entry[3] for entry in self._waiting]
+        for request in waiting:
+            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise RuntimeError(f"{request.request_id} is waiting with status {request.status}")
+            if request.request_id in self.kv_cache_manager.req_to_blocks:
+                raise RuntimeError(f"waiting request {request.request_id} holds blocks")
+        for request in self.running:
+            if request.status != RequestStatus.RUNNING:
+                raise RuntimeError(f"{request.request_id} is running with status {request.status}")
+            num_blocks = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, []))
+            if num_blocks < cdiv(request.num_computed_tokens, self.block_size):
+                raise RuntimeError(
+                    f"{request.request_id} computed {request.num_computed_tokens} tokens "
+                    f"but holds only {num_blocks} blocks"
+                )
+        live = {r.request_id for r in waiting} | {r.request_id for r in self.running}
+        if len(live) != len(waiting) + len(self.running) or live != set(self.requests):
+            raise RuntimeError(f"queues {sorted(live)} != requests {sorted(self.requests)}")
+        if set(self.kv_cache_manager.req_to_blocks) - {r.request_id for r in self.running}:
+            raise RuntimeError("a request that is not running holds blocks")

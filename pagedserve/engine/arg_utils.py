@@ -1,0 +1,106 @@
+"""Flat engine arguments (CLI flags and LLM(...) keywords) turned into the frozen configs once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from pagedserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
+from pagedserve.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
+
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from 123, "512MiB", "2GiB" or "1.5GB"."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read a size from {value!r} (examples: 512MiB, 2GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    """A short model name, a GGUF file or an HF model directory."""
+    dtype: str = "bfloat16"
+    """Compute dtype: float32 or bfloat16."""
+    device: str = "cpu"
+    max_model_len: int | None = None
+    """Context length; default: the model's."""
+    block_size: int = 16
+    kv_cache_memory: int | str = "2GiB"
+    """Memory for the KV block pool (e.g. 512MiB, 4GiB)."""
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    num_gpu_blocks_override: int | None = None
+    """Fix the number of KV blocks instead of sizing the pool from memory."""
+    num_threads: int | None = None
+    """torch threads on the CPU (default: torch's choice)."""
+    seed: int = 0
+
+    def create_engine_config(self) -> EngineConfig:
+        model_path = resolve_model_path(self.model)
+        model_config = load_model_config(model_path)
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's context "
+                f"{model_config.max_position_embeddings}"
+            )
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        return EngineConfig(
+            model_path=model_path,
+            model=model_config,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=parse_size(self.kv_cache_memory),
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            device=DeviceConfig(
+                device=self.device, dtype=self.dtype, num_threads=self.num_threads, seed=self.seed
+            ),
+        )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+        for f in dataclasses.fields(cls):
+            if f.name == "model" and not with_model:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads"):
+                parser.add_argument(flag, type=int, default=f.default)
+            elif f.name == "kv_cache_memory":
+                parser.add_argument(flag, type=str, default=f.default, help="e.g. 512MiB, 4GiB")
+            else:
+                parser.add_argument(flag, type=type(f.default), default=f.default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                      if hasattr(args, f.name)})

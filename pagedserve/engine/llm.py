@@ -1,0 +1,91 @@
+"""The offline API: LLM(model=...).generate(prompts, params) and LLM.chat(messages).
+
+LLM has an engine; it adds every prompt, steps until all finish and returns outputs in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import Tokenizer
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        if model is not None:
+            engine_kwargs["model"] = model
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; a single string, token-id list or dict is one prompt."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        request_ids = []
+        try:
+            for prompt, params, prio in zip(prompts, params_list, priorities):
+                request_ids.append(self.engine.add_request(None, prompt, params, priority=prio))
+        except ValueError:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids)
+
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.engine.tokenizer.encode(
+                self.engine.tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=add_generation_prompt, tools=tools
+                ),
+                add_special_tokens=False,
+            )}
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _run_engine(self, request_ids: list[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,187 @@
+"""The engine: admission (validate, tokenize, fan out n), and the step loop.
+
+step() = schedule -> execute -> update -> detokenize. One request with n > 1 becomes n scheduler
+requests that share the prompt's KV blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.scheduler import Scheduler, SchedulerStats
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.outputs import OutputKind, RequestOutput
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import Tokenizer
+from pagedserve.worker.model_runner import ModelRunner
+
+PromptType = str | Sequence[int] | dict[str, Any]
+"""A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        """tokenizer, model: already loaded ones to share (tests build many engines over one)."""
+        self.config = config
+        self.tokenizer = tokenizer or Tokenizer.from_path(config.model_path)
+        self.model_runner = ModelRunner(
+            config.model_path, config.model, config.cache, config.device, model=model
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, num_blocks=self.model_runner.num_kv_blocks
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = frozenset(config.model.eos_token_ids)
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Validate and tokenize a prompt; ValueError names what is wrong."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab_size = self.config.model.vocab_size
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise ValueError(f"prompt token ids must be integers, got {token_id!r}")
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"prompt token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        return text, token_ids
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (nothing queued) if it is invalid."""
+        params = (params or SamplingParams()).clone()
+        text, prompt_token_ids = self.process_prompt(prompt)
+        params.validate_for_vocab(self.config.model.vocab_size)
+        max_model_len = self.config.scheduler.max_model_len
+        if len(prompt_token_ids) >= max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the context length is "
+                f"{max_model_len} (prompt plus at least one new token must fit)"
+            )
+        if params.max_tokens is None:
+            params.max_tokens = max_model_len - len(prompt_token_ids)
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if request_id is None:
+            request_id = f"req-{next(self._request_counter)}"
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        seq_params: dict[str, SamplingParams] = {}
+        for index in range(params.n):
+            child = params.clone()
+            child.n = 1
+            if params.seed is not None:
+                child.seed = params.seed + index
+            seq_params[request_id if params.n == 1 else f"{index}_{request_id}"] = child
+        requests = [
+            Request(
+                request_id=seq_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=child,
+                eos_token_ids=self.eos_token_ids,
+                priority=priority,
+                cache_salt=cache_salt,
+                arrival_time=arrival_time,
+            )
+            for seq_id, child in seq_params.items()
+        ]
+        added = []
+        try:
+            for request in requests:
+                self.scheduler.add_request(request)
+                added.append(request.request_id)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self.output_processor.add_request(
+            request_id, text, prompt_token_ids, seq_params, output_kind, arrival_time
+        )
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            seq_ids = self.output_processor.sequence_ids(request_id)
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.abort_request(request_id)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        processed = self.output_processor.process_outputs(core_outputs)
+        for seq_id, stop_str in processed.stopped_by_string.items():
+            self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_str)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def assert_idle(self) -> None:
+        """Raise unless every block is free and every queue empty (tests call this after each run)."""
+        self.scheduler.check_integrity()
+        pool = self.scheduler.kv_cache_manager.block_pool
+        problems = []
+        if self.scheduler.has_unfinished_requests():
+            problems.append(f"{len(self.scheduler.requests)} requests still queued")
+        if pool.num_free_blocks != pool.num_usable_blocks:
+            problems.append(f"{pool.num_usable_blocks - pool.num_free_blocks} KV blocks still held")
+        if self.output_processor.requests:
+            problems.append(f"{len(self.output_processor.requests)} output states left")
+        if problems:
+            raise RuntimeError("engine not idle: " + "; ".join(problems))

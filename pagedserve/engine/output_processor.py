@@ -1,0 +1,225 @@
+"""Turns the scheduler's token outputs into user-facing RequestOutputs.
+
+Owns everything textual about a running request: incremental detokenization, stop strings,
+logprob dictionaries, and the fan-in of n > 1 sequences into one output. The scheduler knows none
+of it; when a stop string ends a sequence, this module reports it and the engine finishes it there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.core.outputs import EngineCoreOutput, TokenLogprobs
+from pagedserve.detokenizer import IncrementalDetokenizer
+from pagedserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    OutputKind,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import Tokenizer
+
+
+@dataclass
+class SequenceState:
+    """One of a request's n sequences: a scheduler request of its own."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    """Tokens already returned in DELTA outputs."""
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: OutputKind
+    sequences: dict[str, SequenceState]
+    """Scheduler request id -> its sequence."""
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.sequences.values())
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    stopped_by_string: dict[str, str]
+    """Scheduler request id -> the stop string that ended it; the engine must finish these."""
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._seq_to_request: dict[str, str] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        seq_params: dict[str, SamplingParams],
+        output_kind: OutputKind,
+        arrival_time: float,
+    ) -> None:
+        sequences = {}
+        for index, (seq_id, params) in enumerate(seq_params.items()):
+            detokenizer = None
+            if params.detokenize:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+            sequences[seq_id] = SequenceState(
+                index=index,
+                params=params,
+                detokenizer=detokenizer,
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            self._seq_to_request[seq_id] = request_id
+        first_params = next(iter(seq_params.values()))
+        self.requests[request_id] = RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            output_kind=output_kind,
+            sequences=sequences,
+            metrics=RequestMetrics(arrival_time=arrival_time),
+            prompt_logprobs=[None] if first_params.prompt_logprobs is not None else None,
+        )
+
+    def sequence_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return list(state.sequences) if state else []
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for seq_id in state.sequences:
+                self._seq_to_request.pop(seq_id, None)
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        stopped_by_string: dict[str, str] = {}
+        for out in core_outputs:
+            request_id = self._seq_to_request.get(out.req_id)
+            if request_id is None:
+                continue  # aborted meanwhile
+            state = self.requests[request_id]
+            seq = state.sequences[out.req_id]
+            touched[request_id] = state
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.first_scheduled_time is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = out.first_scheduled_time
+            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, out.new_prompt_logprobs)
+            if out.new_token_ids:
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                state.metrics.last_token_time = now
+                seq.token_ids.extend(out.new_token_ids)
+                if out.new_logprobs is not None and seq.logprobs is not None:
+                    for entry in out.new_logprobs:
+                        seq.logprobs.append(self._to_position_logprobs(entry))
+                        seq.cumulative_logprob += entry.logprobs[0]
+                if seq.detokenizer is not None and seq.finish_reason is None:
+                    stop_str = seq.detokenizer.update(out.new_token_ids)
+                    if stop_str is not None and not out.finished:
+                        seq.finish_reason, seq.stop_reason = "stop", stop_str
+                        stopped_by_string[out.req_id] = stop_str
+            if out.finished and seq.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+
+        request_outputs = []
+        for request_id, state in touched.items():
+            finished = state.finished
+            if finished:
+                state.metrics.finished_time = now
+            output = self._make_output(state, finished)
+            if output is not None:
+                request_outputs.append(output)
+            if finished:
+                self.abort_request(request_id)
+        return ProcessedOutputs(request_outputs, stopped_by_string)
+
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
+        kind = state.output_kind
+        if kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for seq in state.sequences.values():
+            text = ""
+            if seq.detokenizer is not None:
+                seq_done = seq.finish_reason is not None
+                text = seq.detokenizer.get_next_output_text(
+                    finished=seq_done, delta=kind == OutputKind.DELTA
+                )
+            if kind == OutputKind.DELTA:
+                new_tokens = seq.token_ids[seq.num_sent_tokens :]
+                logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_sent_tokens :]
+                if not new_tokens and not text and seq.finish_reason is None:
+                    continue
+                seq.num_sent_tokens = len(seq.token_ids)
+            else:
+                new_tokens, logprobs = list(seq.token_ids), seq.logprobs
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=new_tokens,
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        if not completions and not finished:
+            return None
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )
+
+    def _add_prompt_logprobs(self, state: RequestState, chunk: tuple[int, list[TokenLogprobs]]):
+        first_position, entries = chunk
+        # A request recomputed after preemption resends positions it already sent: overwrite.
+        del state.prompt_logprobs[first_position:]
+        assert len(state.prompt_logprobs) == first_position, "prompt logprobs arrived out of order"
+        state.prompt_logprobs.extend(self._to_position_logprobs(e) for e in entries)
+
+    def _to_position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
+        result: PositionLogprobs = {}
+        for rank_index, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs)):
+            if token_id in result:
+                continue  # the chosen token is also in the top-k
+            rank = entry.chosen_rank if rank_index == 0 else rank_index
+            result[token_id] = Logprob(logprob, rank, self.tokenizer.decode_token(token_id))
+        return result

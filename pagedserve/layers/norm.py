@@ -1,0 +1,27 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32 whatever the compute dtype, as the HF reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); residual=None means x is the residual."""
+        if residual is not None:
+            x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,30 @@
+"""Rotary position embedding in the rotate-half (GPT-NeoX / HF) layout, from a cos/sin cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, base: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        positions = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(positions, inv_freq)  # (P, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: (T, H, D), k: (T, Hkv, D), positions: (T,)."""
+        cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, D)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

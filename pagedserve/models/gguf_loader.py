@@ -1,0 +1,145 @@
+"""GGUF specifics: a llama.cpp GGUF file's metadata as a ModelConfig, its tensors as HF weights.
+
+llama.cpp names tensors `blk.{i}.attn_q.weight` and, for the llama architecture only, permutes
+the rows of q/k so its interleaved RoPE works; we rename to Hugging Face names and undo that
+permutation, so models see exactly the weights transformers would load. Knows nothing about
+where the file came from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+
+import gguf
+import torch
+
+from pagedserve.config import ModelConfig
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_CHAT_TURN_END_TOKEN = "<|im_end|>"
+
+
+def load_gguf_config(path: str) -> ModelConfig:
+    return _read_config(gguf.GGUFReader(path), path)
+
+
+def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, dequantized tensor of `dtype`) one at a time; matrices are [out, in]."""
+    reader = gguf.GGUFReader(path)
+    config = _read_config(reader, path)
+    for tensor in reader.tensors:
+        hf_name = _hf_tensor_name(tensor.name, path)
+        # NOTE: GGUF lists dims innermost first; dequantize returns numpy (row-major) order.
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert weight.shape == tuple(reversed(tensor.shape.tolist())), (tensor.name, weight.shape)
+        if config.architecture == "llama" and ".q_proj." in hf_name:
+            weight = _unpermute_rope_rows(weight, config.num_attention_heads)
+        elif config.architecture == "llama" and ".k_proj." in hf_name:
+            weight = _unpermute_rope_rows(weight, config.num_key_value_heads)
+        if not weight.flags.writeable:  # F32 tensors come back as views of the read-only mmap
+            weight = weight.copy()
+        yield hf_name, torch.from_numpy(weight).to(dtype)
+
+
+def _read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
+    def field(key: str, default=None):
+        found = reader.get_field(key)
+        return default if found is None else found.contents()
+
+    architecture = field("general.architecture")
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {architecture!r} in {path}; "
+            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+
+    def arch_field(key: str, default=None):
+        return field(f"{architecture}.{key}", default)
+
+    rope_scaling = arch_field("rope.scaling.type", "none")
+    if rope_scaling != "none":
+        raise ValueError(f"unsupported RoPE scaling {rope_scaling!r} in {path}")
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    hidden_size = arch_field("embedding_length")
+    num_attention_heads = arch_field("attention.head_count")
+    tensor_names = {tensor.name for tensor in reader.tensors}
+
+    # The chat models end a turn with <|im_end|>; when the GGUF eos is another token (e.g. Qwen's
+    # <|endoftext|>), generation must stop on both.
+    eos_token_ids = [field("tokenizer.ggml.eos_token_id")]
+    if _CHAT_TURN_END_TOKEN in field("tokenizer.chat_template", "") and tokens is not None:
+        eos_token_ids.append(_find_token_id(tokens, _CHAT_TURN_END_TOKEN))
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=arch_field("vocab_size") or len(tokens.data),
+        hidden_size=hidden_size,
+        intermediate_size=arch_field("feed_forward_length"),
+        num_hidden_layers=arch_field("block_count"),
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=arch_field("attention.head_count_kv", num_attention_heads),
+        head_dim=arch_field("attention.key_length")
+        or arch_field("rope.dimension_count")
+        or hidden_size // num_attention_heads,
+        rms_norm_eps=arch_field("attention.layer_norm_rms_epsilon"),
+        rope_theta=arch_field("rope.freq_base", 10000.0),
+        max_position_embeddings=arch_field("context_length"),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos_token_ids if i is not None)),
+        name=field("general.name") or os.path.basename(path),
+    )
+
+
+def _find_token_id(tokens: gguf.ReaderField, text: str) -> int | None:
+    wanted = text.encode()
+    # tokens.data holds, per token id, the index of the part with that token's bytes.
+    return next(
+        (i for i, part in enumerate(tokens.data) if bytes(tokens.parts[part]) == wanted), None
+    )
+
+
+def _hf_tensor_name(gguf_name: str, path: str) -> str:
+    if gguf_name in _GLOBAL_TENSOR_NAMES:
+        return _GLOBAL_TENSOR_NAMES[gguf_name]
+    match = _BLOCK_TENSOR_PATTERN.fullmatch(gguf_name)
+    if match is None or match[2] not in _BLOCK_TENSOR_NAMES:
+        raise ValueError(f"unexpected tensor {gguf_name!r} in {path}")
+    layer_index, gguf_module, kind = match.groups()
+    return f"model.layers.{layer_index}.{_BLOCK_TENSOR_NAMES[gguf_module]}.{kind}"
+
+
+def _unpermute_rope_rows(weight, num_heads: int):
+    """Undo llama.cpp's q/k row permutation (works for weights [rows, in] and biases [rows]).
+
+    Within each head, HF's rotate-half RoPE pairs row j with row j + head_dim/2; llama.cpp's
+    interleaved RoPE pairs rows 2j and 2j+1, so its converter stored the rows of each head as
+      gguf row:  0   1        2   3          ...
+      hf row:    0   hd/2     1   hd/2+1     ...
+    Viewing them as (head, hd/2, 2) and swapping the last two axes puts the halves back.
+    """
+    head_dim = weight.shape[0] // num_heads
+    interleaved = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return interleaved.swapaxes(1, 2).reshape(weight.shape)

@@ -1,0 +1,122 @@
+"""A request as the scheduler sees it: token ids, progress, status. No torch, no text.
+
+Progress is counted in tokens: `num_computed_tokens` of `num_tokens` have KV in the cache. A prompt
+chunk, a prefix-cache hit and a decode step all move the same counter.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything from here on is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock timestamps (time.monotonic seconds) of one request's life."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    """Lower runs first; equal priorities run in arrival order."""
+    cache_salt: str | None = None
+    """Isolates this request's prefix-cache entries from requests with another salt."""
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache at first scheduling (-1: not scheduled yet)."""
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that finished the request, if any."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Hash of each full block of `all_token_ids`, chained; maintained by the KV cache manager."""
+
+    def __post_init__(self) -> None:
+        self.times = RequestTimes(arrival=self.arrival_time)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        assert self.sampling_params.max_tokens is not None, "the engine fills max_tokens"
+        return self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Finish the request if its last token ends it; returns True when it did.
+
+        Stop strings are matched on text by the output processor, not here.
+        """
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            last_token_id = self.output_token_ids[-1]
+            if not params.ignore_eos and last_token_id in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last_token_id in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last_token_id
+                return True
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -1,0 +1,225 @@
+"""What one request asks of the sampler, validated once where the request enters the engine.
+
+Names and defaults follow vLLM's SamplingParams so OpenAI-style requests map field for field.
+Pure Python, no torch: the scheduler and the API server import it. The sampler turns a batch of
+these into tensors (sample/sampler.py, SamplingMetadata.build).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy: the limit of softmax(logits / t) as t -> 0 is the argmax."""
+MAX_LOGPROBS = 20
+"""Most top logprobs a request may ask for, per generated or prompt token (OpenAI's cap)."""
+MAX_ABS_LOGIT_BIAS = 100.0
+"""OpenAI's range for logit_bias values: [-100, 100]."""
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+"""What torch.Generator.manual_seed accepts."""
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+    """Random, from the request's own generator: independent of the rest of the batch."""
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop, for one request.
+
+    A plain mutable dataclass: the engine fills max_tokens when it is None. Validated in
+    __post_init__; token ids against a vocabulary only in validate_for_vocab (the vocabulary is
+    not known here).
+    """
+
+    n: int = 1
+    """Completions to generate for the prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; below SAMPLING_EPS (e.g. 0) means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the most likely tokens until their mass reaches top_p (1 = off)."""
+    top_k: int = 0
+    """Keep only the top_k most likely tokens (0 = off; -1 is accepted and stored as 0)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely token (0 = off)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated (OpenAI)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated (OpenAI)."""
+    repetition_penalty: float = 1.0
+    """Divides positive and multiplies negative logits of tokens in the prompt or output (HF;
+    1 = off)."""
+    seed: int | None = None
+    """Seed for this request's own random stream; None uses the engine's shared stream."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation. A single string or None is accepted and stored as a list."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation, besides eos. None is accepted and stored as []."""
+    ignore_eos: bool = False
+    """Keep generating past eos (benchmarks)."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the context limit (the engine fills it in)."""
+    min_tokens: int = 0
+    """Forbid eos and stop_token_ids until this many tokens have been generated."""
+    logprobs: int | None = None
+    """Top logprobs to return per generated token besides the sampled one's (0: sampled only)."""
+    prompt_logprobs: int | None = None
+    """Top logprobs to return per prompt token besides the actual token's (0: actual only)."""
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling. String keys of digits (as OpenAI
+    JSON sends them) are accepted and stored as ints; an empty dict is stored as None."""
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            _require_int(name, getattr(self, name))
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name))
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            _require_number(name, getattr(self, name))
+
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        # Written as "not (in range)" so that NaN, which fails every comparison, is rejected too.
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
+            )
+        if self.seed is not None and not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+        self.stop = _normalize_stop(self.stop)
+        self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    def all_stop_token_ids(self, eos_token_ids: Iterable[int]) -> set[int]:
+        """Token ids that end this request: stop_token_ids, plus the model's eos unless ignore_eos.
+        """
+        stop_ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            stop_ids.update(eos_token_ids)
+        return stop_ids
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a token id this request names lies outside [0, vocab_size)."""
+        for token_id in self.stop_token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"stop_token_ids has {token_id}, outside the vocabulary [0, {vocab_size})"
+                )
+        for token_id in self.logit_bias or ():
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"logit_bias has token id {token_id}, outside the vocabulary [0, {vocab_size})"
+                )
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: each of a request's n completions may get its own (e.g. a derived seed)."""
+        return copy.deepcopy(self)
+
+
+def _require_int(name: str, value: object) -> None:
+    # bool is an int subclass; `max_tokens=True` is a mistake, not 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+
+
+def _require_number(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def _normalize_stop(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    for text in stop:
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"stop must contain only non-empty strings, got {text!r}")
+    return list(stop)
+
+
+def _normalize_stop_token_ids(stop_token_ids: object) -> list[int]:
+    if stop_token_ids is None:
+        return []
+    if not isinstance(stop_token_ids, (list, tuple, set)):
+        raise ValueError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
+    for token_id in stop_token_ids:
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(f"stop_token_ids must contain only ints >= 0, got {token_id!r}")
+    return list(stop_token_ids)
+
+
+def _normalize_logit_bias(logit_bias: object) -> dict[int, float] | None:
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {logit_bias!r}")
+    normalized: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        # OpenAI JSON objects can only have string keys: {"50256": -100}.
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token_id = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            token_id = key
+        else:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+        if token_id in normalized:
+            raise ValueError(f"logit_bias has token id {token_id} twice")
+        if (not isinstance(bias, (int, float)) or isinstance(bias, bool)
+                or not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
+            raise ValueError(
+                f"logit_bias values must be numbers in [-100, 100], got {bias!r} "
+                f"for token {token_id}"
+            )
+        normalized[token_id] = float(bias)
+    return normalized or None

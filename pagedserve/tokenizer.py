@@ -1,0 +1,263 @@
+"""Text <-> token ids for one model, and its chat template.
+
+Builds a `tokenizers.Tokenizer` from a GGUF file's metadata (byte-level BPE only) or loads an HF
+`tokenizer.json` directory. Knows nothing of the engine, torch or `transformers`; streaming concerns
+(partial UTF-8, stop strings) live in detokenizer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+import gguf
+import jinja2
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp's token types (gguf.TokenType): CONTROL tokens are special (dropped by
+# skip_special_tokens), USER_DEFINED ones are plain added tokens (kept, like Qwen's <tool_call>).
+_CONTROL, _USER_DEFINED = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
+
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _gpt2_bytes() -> pre_tokenizers.PreTokenizer:
+    """ByteLevel splitting with its built-in GPT-2 regex (`'s|'t|...| ?\\p{L}+| ?\\p{N}+|...`)."""
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+_DIGIT_SPLIT_NAMES = ("smollm", "starcoder", "refact")
+_QWEN2_NAMES = ("qwen2", "deepseek-r1-qwen")
+_LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe")
+
+
+def _pre_tokenizer_for(
+    pre_type: str,
+) -> tuple[pre_tokenizers.PreTokenizer, normalizers.Normalizer | None, bool]:
+    """(pre-tokenizer, normalizer, ignore_merges) for llama.cpp's `tokenizer.ggml.pre` name.
+
+    Each entry reproduces the model's original tokenizer.json: SmolLM/StarCoder split every digit
+    off first; Qwen2 NFC-normalizes and uses its own regex; Llama 3 looks whole words up in the
+    vocabulary before merging (ignore_merges). "gpt2", "default" and unknown names get GPT-2's
+    regex, the byte-level BPE default (an unknown name also logs a warning).
+    """
+    if pre_type in _DIGIT_SPLIT_NAMES:
+        digits_then_gpt2 = [pre_tokenizers.Digits(individual_digits=True), _gpt2_bytes()]
+        return pre_tokenizers.Sequence(digits_then_gpt2), None, False
+    if pre_type in _QWEN2_NAMES:
+        return _split_then_bytes(_QWEN2_SPLIT), normalizers.NFC(), False
+    if pre_type in _LLAMA3_NAMES:
+        return _split_then_bytes(_LLAMA3_SPLIT), None, True
+    if pre_type not in ("gpt2", "default"):
+        logger.warning("unknown tokenizer.ggml.pre %r; using the GPT-2 pre-tokenizer regex", pre_type)
+    return _gpt2_bytes(), None, False
+
+
+def _gguf_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """Raise on the first unsafe attribute access instead of yielding an Undefined that prints ''."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} is unsafe")
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template raised: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes <, >, & and ' for HTML, which would change the prompt text.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+class Tokenizer:
+    """A model's tokenizer: `encode`/`decode` plus chat-template rendering.
+
+    `add_bos_token` is whatever the post-processor does: `encode(text)` prepends BOS exactly when
+    it is True, and never when add_special_tokens=False (use that for rendered chat prompts, whose
+    template writes BOS itself).
+    """
+
+    def __init__(self, tokenizer: HFTokenizer, bos_token_id: int | None, eos_token_id: int | None,
+                 chat_template: str | None) -> None:
+        self._tokenizer = tokenizer
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        """Size of the id space; a model's embedding table may be padded past it."""
+        self.all_special_ids: frozenset[int] = frozenset(
+            token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special
+        )
+        self.add_bos_token: bool = (bos_token_id is not None
+                                    and tokenizer.encode("").ids[:1] == [bos_token_id])
+
+    # ---- construction ----
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike) -> Tokenizer:
+        """A GGUF file or an HF tokenizer directory."""
+        if os.path.isdir(path):
+            return cls.from_hf_dir(path)
+        if os.path.isfile(path):
+            return cls.from_gguf(path)
+        raise ValueError(f"tokenizer path {os.fspath(path)!r} is neither a file nor a directory")
+
+    @classmethod
+    def from_gguf(cls, path_or_reader: str | os.PathLike | gguf.GGUFReader) -> Tokenizer:
+        """Rebuild the byte-level BPE tokenizer a GGUF file describes, with `tokenizers` alone.
+
+        Pass the loader's `GGUFReader` to avoid parsing the file twice.
+        """
+        reader = path_or_reader
+        if not isinstance(reader, gguf.GGUFReader):
+            reader = gguf.GGUFReader(path_or_reader)
+
+        def meta(key: str, default: Any = None) -> Any:
+            return _gguf_value(reader, f"tokenizer.{key}", default)
+
+        if meta("ggml.model") != "gpt2":
+            raise ValueError("only byte-level BPE GGUF tokenizers (tokenizer.ggml.model='gpt2') are "
+                             f"supported, got {meta('ggml.model')!r}")
+        tokens: list[str] = meta("ggml.tokens")
+        merges = [tuple(merge.split(" ", 1)) for merge in meta("ggml.merges", [])]
+        pre_type = meta("ggml.pre", "default")
+        pre_tokenizer, normalizer, ignore_merges = _pre_tokenizer_for(pre_type)
+
+        vocab = {token: token_id for token_id, token in enumerate(tokens)}
+        tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+        tokenizer.normalizer = normalizer
+        tokenizer.pre_tokenizer = pre_tokenizer
+        tokenizer.decoder = decoders.ByteLevel()
+        # Added tokens are already in the vocabulary at their own ids, so adding them only makes
+        # them match whole in text (<|im_start|> -> one id); the id space does not grow.
+        typed = list(zip(tokens, meta("ggml.token_type", [])))
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                      for t, kind in typed if kind == _CONTROL])
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                              for t, kind in typed if kind == _USER_DEFINED])
+
+        bos_id, eos_id = meta("ggml.bos_token_id"), meta("ggml.eos_token_id")
+        # Without the flag, follow llama.cpp: Llama 3 vocabularies add BOS, other BPE ones do not.
+        add_bos = meta("ggml.add_bos_token", pre_type in _LLAMA3_NAMES) and bos_id is not None
+        add_eos = meta("ggml.add_eos_token", False) and eos_id is not None
+        if add_bos or add_eos:
+            template = [tokens[bos_id]] * add_bos + ["$A"] + [tokens[eos_id]] * add_eos
+            special = {tokens[i]: i for i in (bos_id, eos_id) if i is not None}
+            tokenizer.post_processor = processors.TemplateProcessing(single=template,
+                                                                     special_tokens=list(special.items()))
+        return cls(tokenizer, bos_id, eos_id, meta("chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, directory: str | os.PathLike) -> Tokenizer:
+        """Load `tokenizer.json`, with chat template and BOS/EOS from `tokenizer_config.json`.
+
+        The BOS decision stays with tokenizer.json's post-processor, as in HF fast tokenizers.
+        """
+        tokenizer_file = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(tokenizer_file):
+            raise ValueError(f"{os.fspath(directory)!r} has no tokenizer.json")
+        tokenizer = HFTokenizer.from_file(tokenizer_file)
+        config: dict[str, Any] = {}
+        config_file = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(config_file):
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+
+        def token_id(name: str) -> int | None:
+            token = config.get(name)
+            token = token.get("content") if isinstance(token, dict) else token
+            return tokenizer.token_to_id(token) if token else None
+
+        chat_template = config.get("chat_template")
+        if isinstance(chat_template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            chat_template = {t["name"]: t["template"] for t in chat_template}.get("default")
+        jinja_file = os.path.join(directory, "chat_template.jinja")  # where newer transformers saves it
+        if chat_template is None and os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                chat_template = f.read()
+        return cls(tokenizer, token_id("bos_token"), token_id("eos_token"), chat_template)
+
+    # ---- encode / decode ----
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text always encode as single ids."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """Vocabulary spellings (byte-level, e.g. 'Ġhello'), not text."""
+        return [self._tokenizer.id_to_token(token_id) for token_id in ids]
+
+    def decode_token(self, token_id: int) -> str:
+        """One token as text, for logprob display; a partial UTF-8 character shows as U+FFFD."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self._tokenizer.id_to_token(token_id) or ""
+
+    # ---- chat template ----
+
+    @cached_property
+    def _compiled_chat_template(self) -> jinja2.Template:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; send a completion request instead")
+        env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template)
+        except TemplateError as e:
+            raise ValueError(f"the model's chat template does not compile: {e}") from e
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **extra: Any) -> str:
+        """Render `messages` (OpenAI-style dicts) into the prompt text.
+
+        Runs the template in a sandbox: templates are untrusted code from the model file.
+        """
+        template = self._compiled_chat_template
+        try:
+            return template.render(
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.bos_token_id), eos_token=self._token_text(self.eos_token_id),
+                **extra,
+            )
+        except TemplateError as e:
+            raise ValueError(f"chat template failed to render: {type(e).__name__}: {e}") from e

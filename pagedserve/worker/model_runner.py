@@ -1,0 +1,252 @@
+"""Runs one scheduled step on the model: SchedulerOutput in, sampled tokens out.
+
+The runner keeps its own copy of each live request (token ids, block ids, sampling params), fed by
+the scheduler's diffs, so a step sends only what changed. It owns the model, the KV cache tensors
+and the sampler; it knows nothing about queues, priorities or text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.attention import AttentionMetadata, forward_context
+from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig
+from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedserve.models import get_model_class
+from pagedserve.models.loader import iter_model_weights
+from pagedserve.sample.sampler import Sampler, SamplingMetadata
+from pagedserve.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    """Prompt + outputs so far; the runner appends what it samples."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def load_model(
+    model_path: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module:
+    with torch.device(device):
+        model = get_model_class(model_config.architecture)(model_config, dtype)
+    model.load_weights(iter_model_weights(model_path, dtype))
+    return model.to(dtype).eval()
+
+
+def kv_cache_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_hidden_layers * block_size * model.kv_size * element_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device_config: DeviceConfig,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        """model: an already loaded model to share (it holds no per-engine state)."""
+        self.model_config = model_config
+        self.block_size = cache_config.block_size
+        self.device = torch.device(device_config.device)
+        self.dtype = _DTYPES[device_config.dtype]
+        if device_config.num_threads is not None:
+            torch.set_num_threads(device_config.num_threads)
+
+        self.model = model or load_model(model_path, model_config, self.dtype, self.device)
+
+        bytes_per_block = kv_cache_bytes_per_block(model_config, self.block_size, self.dtype)
+        self.num_kv_blocks = cache_config.num_gpu_blocks_override or max(
+            2, cache_config.kv_cache_memory_bytes // bytes_per_block
+        )
+        # Zeroed, not empty: masked positions still pass through softmax @ V, and a NaN there
+        # would poison the row (0 * NaN = NaN).
+        shape = (self.num_kv_blocks, self.block_size, model_config.num_key_value_heads,
+                 model_config.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(model_config.num_hidden_layers)
+        ]
+
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # ---- state sync -------------------------------------------------------------------------
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for data in scheduler_output.scheduled_new_reqs:
+            params = data.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            self.requests[data.req_id] = CachedRequestState(
+                req_id=data.req_id,
+                token_ids=list(data.token_ids),
+                num_prompt_tokens=data.num_prompt_tokens,
+                sampling_params=params,
+                block_ids=list(data.block_ids),
+                num_computed_tokens=data.num_computed_tokens,
+                generator=generator,
+                output_token_ids=list(data.token_ids[data.num_prompt_tokens :]),
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = num_computed
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        # Decodes first: the attention backend batches the one-token queries together.
+        req_ids = sorted(
+            scheduler_output.num_scheduled_tokens,
+            key=lambda r: scheduler_output.num_scheduled_tokens[r] != 1,
+        )
+        states = [self.requests[r] for r in req_ids]
+        num_scheduled = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        bs = self.block_size
+        for state, num_tokens in zip(states, num_scheduled):
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start : start + num_tokens])
+            span = range(start, start + num_tokens)
+            positions.extend(span)
+            block_ids = state.block_ids
+            slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in span)
+            query_start_loc.append(query_start_loc[-1] + num_tokens)
+        context_lens = [s.num_computed_tokens for s in states]
+        seq_lens = [c + n for c, n in zip(context_lens, num_scheduled)]
+        num_decodes = sum(1 for n in num_scheduled if n == 1)
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
+
+        device = self.device
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
+            seq_lens=seq_lens,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_table=torch.tensor(block_table, dtype=torch.int64, device=device),
+            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64, device=device),
+            kv_caches=self.kv_caches,
+        )
+        input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        with forward_context(meta):
+            hidden_states = self.model(input_ids_t, positions_t)
+
+        output = ModelRunnerOutput()
+        self._compute_prompt_logprobs(states, num_scheduled, query_start_loc, hidden_states, output)
+
+        # Rows that sample: requests whose every known token now has KV (mid-prompt chunks don't).
+        sample_rows = [
+            i for i, (s, n) in enumerate(zip(states, num_scheduled))
+            if s.num_computed_tokens + n >= len(s.token_ids)
+        ]
+        if sample_rows:
+            logits_indices = torch.tensor(
+                [query_start_loc[i + 1] - 1 for i in sample_rows], device=device
+            )
+            logits = self.model.compute_logits(hidden_states[logits_indices])
+            self._sample(logits, [states[i] for i in sample_rows], output)
+        for state, num_tokens in zip(states, num_scheduled):
+            state.num_computed_tokens += num_tokens
+        return output
+
+    def _sample(
+        self, logits: torch.Tensor, states: list[CachedRequestState], output: ModelRunnerOutput
+    ) -> None:
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        metadata = SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.output_token_ids for s in states],
+            [s.token_ids[: s.num_prompt_tokens] for s in states],
+            generators,
+            self.model_config.eos_token_ids,
+            self.model_config.vocab_size,
+            self.device,
+        )
+        sampler_output = self.sampler(logits, metadata)
+        sampled = sampler_output.sampled_token_ids.tolist()  # the step's device->host sync
+        logprobs_rows = logprob_ids_rows = ranks = None
+        if sampler_output.logprobs is not None:
+            logprobs_rows = sampler_output.logprobs.tolist()
+            logprob_ids_rows = sampler_output.logprob_token_ids.tolist()
+            ranks = sampler_output.sampled_token_ranks.tolist()
+        for i, (state, token_id) in enumerate(zip(states, sampled)):
+            state.token_ids.append(token_id)
+            state.output_token_ids.append(token_id)
+            output.sampled_token_ids[state.req_id] = [token_id]
+            num_logprobs = state.sampling_params.logprobs
+            if num_logprobs is not None and logprobs_rows is not None:
+                output.logprobs[state.req_id] = [
+                    TokenLogprobs(
+                        token_ids=logprob_ids_rows[i][: 1 + num_logprobs],
+                        logprobs=logprobs_rows[i][: 1 + num_logprobs],
+                        chosen_rank=ranks[i],
+                    )
+                ]
+
+    def _compute_prompt_logprobs(
+        self,
+        states: list[CachedRequestState],
+        num_scheduled: list[int],
+        query_start_loc: list[int],
+        hidden_states: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Logprob of each prompt token given the ones before it, for the chunk computed now."""
+        for i, (state, num_tokens) in enumerate(zip(states, num_scheduled)):
+            num_top = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            # position p predicts prompt token p + 1; the last prompt position predicts output
+            end = min(start + num_tokens, state.num_prompt_tokens - 1)
+            if num_top is None or end <= start:
+                continue
+            offset = query_start_loc[i]
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden_states[offset : offset + end - start]), dim=-1
+            )  # (N, V)
+            targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=logprobs.device)
+            target_logprobs = logprobs.gather(1, targets[:, None])  # (N, 1)
+            ranks = (logprobs > target_logprobs).sum(dim=-1) + 1
+            top_logprobs, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+            chunk = []
+            for j, target in enumerate(targets.tolist()):
+                ids, values = [target], [target_logprobs[j, 0].item()]
+                if top_ids is not None:
+                    ids += top_ids[j].tolist()
+                    values += top_logprobs[j].tolist()
+                chunk.append(TokenLogprobs(ids, values, int(ranks[j])))
+            output.prompt_logprobs[state.req_id] = (start + 1, chunk)

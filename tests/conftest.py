@@ -1,0 +1,58 @@
+"""Shared fixtures: the real default model loaded once per session, and engines built over it.
+
+Every engine made through `make_llm` is checked on teardown: all KV blocks free, all queues empty.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.llm import LLM
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
+from pagedserve.tokenizer import Tokenizer
+from pagedserve.worker.model_runner import load_model
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path) -> Tokenizer:
+    return Tokenizer.from_path(model_path)
+
+
+_MODELS: dict[str, object] = {}
+
+
+def _shared_model(model_path: str, dtype: str):
+    if dtype not in _MODELS:
+        import torch
+
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        _MODELS[dtype] = load_model(
+            model_path, load_model_config(model_path), torch_dtype, torch.device("cpu")
+        )
+    return _MODELS[dtype]
+
+
+@pytest.fixture
+def make_llm(model_path, tokenizer):
+    """Factory: make_llm(**engine_args) -> LLM over the session's shared weights (fp32 default)."""
+    engines: list[LLMEngine] = []
+
+    def factory(**overrides) -> LLM:
+        overrides.setdefault("dtype", "float32")
+        overrides.setdefault("kv_cache_memory", "512MiB")
+        config = EngineArgs(model=model_path, **overrides).create_engine_config()
+        model = _shared_model(model_path, config.device.dtype)
+        engine = LLMEngine(config, tokenizer=tokenizer, model=model)
+        engines.append(engine)
+        return LLM.from_engine(engine)
+
+    yield factory
+    for engine in engines:
+        engine.assert_idle()
