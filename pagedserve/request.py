@@ -67,6 +67,8 @@ class Request:
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache at first scheduling (-1: not scheduled yet)."""
     num_preemptions: int = 0
+    admission_order: int = -1
+    """Set by the scheduler when first queued: breaks ties between equal priority and arrival."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that finished the request, if any."""
     block_hashes: list[bytes] = field(default_factory=list)

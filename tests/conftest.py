@@ -7,21 +7,20 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.llm import LLM
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
-from pagedserve.tokenizer import Tokenizer
-from pagedserve.worker.model_runner import load_model
+# Engine imports live inside the fixtures: tests/core must run without importing torch.
 
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
+    from pagedserve.models.loader import DEFAULT_MODEL, resolve_model_path
+
     return resolve_model_path(DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="session")
-def tokenizer(model_path) -> Tokenizer:
+def tokenizer(model_path):
+    from pagedserve.tokenizer import Tokenizer
+
     return Tokenizer.from_path(model_path)
 
 
@@ -31,6 +30,9 @@ _MODELS: dict[str, object] = {}
 def _shared_model(model_path: str, dtype: str):
     if dtype not in _MODELS:
         import torch
+
+        from pagedserve.models.loader import load_model_config
+        from pagedserve.worker.model_runner import load_model
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         _MODELS[dtype] = load_model(
@@ -42,6 +44,10 @@ def _shared_model(model_path: str, dtype: str):
 @pytest.fixture
 def make_llm(model_path, tokenizer):
     """Factory: make_llm(**engine_args) -> LLM over the session's shared weights (fp32 default)."""
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.llm_engine import LLMEngine
+
     engines: list[LLMEngine] = []
 
     def factory(**overrides) -> LLM:

@@ -107,6 +107,11 @@ class BlockPool:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop blocks from the prefix-cache index (their KV will not be written after all)."""
+        for block in blocks:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible while no request holds a block."""
         if self.num_free_blocks != self.num_usable_blocks:

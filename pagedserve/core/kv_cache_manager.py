@@ -117,6 +117,10 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its chain's tail is evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        # NOTE: blocks are indexed when scheduled. A request preempted in the very step that
+        # scheduled them never gets their KV written, so blocks past its computed tokens must
+        # not stay hittable.
+        self.block_pool.uncache_blocks(blocks[request.num_computed_tokens // self.block_size :])
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

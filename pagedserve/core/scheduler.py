@@ -64,7 +64,8 @@ class Scheduler:
         """Queue a request; raise ValueError if it could never run on this engine."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
+        # The last sampled token never gets KV: a request holds at most this many tokens' KV.
+        max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len) - 1
         if request.num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens; the context length is "
@@ -81,7 +82,9 @@ class Scheduler:
         self._push_waiting(request)
 
     def _push_waiting(self, request: Request) -> None:
-        entry = (request.priority, request.arrival_time, next(self._sequence), request)
+        if request.admission_order < 0:
+            request.admission_order = next(self._sequence)
+        entry = (request.priority, request.arrival_time, request.admission_order, request)
         heapq.heappush(self._waiting, entry)
 
     @property
@@ -111,7 +114,7 @@ class Scheduler:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                victim = max(self.running, key=self._preemption_order)
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
                 if victim_index < req_index:
@@ -198,6 +201,12 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(0, min(num_tokens, num_prompt_left))
             request.num_computed_tokens += num_tokens
         return output
+
+    @staticmethod
+    def _preemption_order(request: Request) -> tuple[int, float, int]:
+        """The running request with the largest key is preempted first: lowest priority, then
+        latest arrival, then latest admission (n > 1 copies share priority and arrival)."""
+        return (request.priority, request.arrival_time, request.admission_order)
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
         num_new_tokens = request.num_tokens - request.num_computed_tokens

@@ -51,6 +51,7 @@ class EngineArgs:
     num_threads: int | None = None
     """torch threads on the CPU (default: torch's choice)."""
     seed: int = 0
+    """Seed of the engine's random stream (requests with their own seed use theirs)."""
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model)

@@ -65,6 +65,8 @@ class ModelRunner:
         self.dtype = _DTYPES[device_config.dtype]
         if device_config.num_threads is not None:
             torch.set_num_threads(device_config.num_threads)
+        # Unseeded requests draw from the global generator: seed it so a run is repeatable.
+        torch.manual_seed(device_config.seed)
 
         self.model = model or load_model(model_path, model_config, self.dtype, self.device)
 

@@ -1,0 +1,350 @@
+"""Offline throughput: every prompt submitted at once to LLM.generate, timed end to end.
+
+Optionally runs Hugging Face transformers on the same GGUF and the same prompt token ids in the
+same process (static batches, left padding) as a baseline. Knows nothing about the server.
+
+    python -m pagedserve.benchmarks.throughput --num-prompts 32 --input-len 200 --output-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.llm import LLM
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+NUM_SPECIAL_MARGIN = 100
+"""Random prompt ids avoid the first and last this-many vocab ids, where special tokens sit."""
+WARMUP_PROMPT_LEN = 8
+WARMUP_OUTPUT_LEN = 4
+
+
+@dataclass
+class Workload:
+    prompt_token_ids: list[list[int]]
+    output_len: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompt_token_ids)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Benchmark options plus every engine argument (--model, --dtype, --num-threads, --seed ...).
+
+    --seed is the engine's; the prompt generator uses it too.
+    """
+    group = parser.add_argument_group("workload")
+    group.add_argument("--dataset", choices=("random", "doc-qa"), default="random",
+                       help="random: unique random-token prompts; doc-qa: shared documents "
+                            "plus short questions (exercises the prefix cache)")
+    group.add_argument("--num-prompts", type=int, default=32,
+                       help="random: prompts to send; doc-qa: used only to derive "
+                            "--questions-per-doc when that is not given")
+    group.add_argument("--input-len", type=int, default=200, help="random: tokens per prompt")
+    group.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt")
+    group.add_argument("--num-docs", type=int, default=2, help="doc-qa: shared documents")
+    group.add_argument("--doc-len", type=int, default=1000, help="doc-qa: tokens per document")
+    group.add_argument("--questions-per-doc", type=int, default=None,
+                       help="doc-qa: questions per document (default: num-prompts / num-docs)")
+    group.add_argument("--question-len", type=int, default=32, help="doc-qa: tokens per question")
+    group = parser.add_argument_group("baseline and output")
+    group.add_argument("--baseline", choices=("none", "hf"), default="none",
+                       help="hf: also run transformers generate() on the same prompts")
+    group.add_argument("--hf-batch-size", type=int, default=None,
+                       help="prompts per transformers generate() call (default: all)")
+    group.add_argument("--output-json", type=str, default=None, help="write all results here")
+    EngineArgs.add_cli_args(parser)
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    """Prompt token ids from a fixed-seed RNG over ordinary (non-special) vocab ids."""
+    for name in ("num_prompts", "input_len", "output_len", "num_docs", "doc_len", "question_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    low, high = NUM_SPECIAL_MARGIN, vocab_size - NUM_SPECIAL_MARGIN
+    if high <= low:
+        raise ValueError(f"vocab_size {vocab_size} is too small for random prompts")
+    rng = random.Random(args.seed)
+
+    def random_ids(num_tokens: int) -> list[int]:
+        return [rng.randrange(low, high) for _ in range(num_tokens)]
+
+    if args.dataset == "random":
+        # Unique per prompt with overwhelming probability; the first token alone makes a clash
+        # of two 200-token prompts a 1-in-49k event, so nothing hits the prefix cache.
+        return Workload([random_ids(args.input_len) for _ in range(args.num_prompts)],
+                        args.output_len)
+    questions_per_doc = args.questions_per_doc or max(1, args.num_prompts // args.num_docs)
+    docs = [random_ids(args.doc_len) for _ in range(args.num_docs)]
+    # Interleaved (q0 of d0, q0 of d1, q1 of d0, ...) so each document's prefix is reused
+    # across requests that arrive between other documents' requests.
+    prompts = [doc + random_ids(args.question_len)
+               for _ in range(questions_per_doc) for doc in docs]
+    return Workload(prompts, args.output_len)
+
+
+def _fixed_length_params(output_len: int) -> SamplingParams:
+    return SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)
+
+
+def _safe_div(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def run_pagedserve(llm: LLM, workload: Workload) -> tuple[dict[str, Any], list[list[int]]]:
+    """Time one generate() over the whole workload; returns (metrics, output token ids)."""
+    tokenizer = llm.get_tokenizer()
+    warmup_ids = list(range(NUM_SPECIAL_MARGIN, NUM_SPECIAL_MARGIN + WARMUP_PROMPT_LEN))
+    assert max(warmup_ids) < tokenizer.vocab_size
+    llm.generate({"prompt_token_ids": warmup_ids}, _fixed_length_params(WARMUP_OUTPUT_LEN))
+    llm.engine.reset_prefix_cache()
+
+    stats_before = llm.engine.get_stats()
+    prompts = [{"prompt_token_ids": ids} for ids in workload.prompt_token_ids]
+    start = time.monotonic()
+    outputs = llm.generate(prompts, _fixed_length_params(workload.output_len))
+    elapsed = time.monotonic() - start
+    stats_after = llm.engine.get_stats()
+
+    def stat_delta(name: str) -> int:
+        return getattr(stats_after, name) - getattr(stats_before, name)
+
+    num_output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+    num_prompt_tokens_computed = stat_delta("num_prompt_tokens_computed")
+    metrics = {
+        "elapsed_s": elapsed,
+        "num_requests": len(outputs),
+        "num_prompt_tokens": workload.num_prompt_tokens,
+        "num_output_tokens": num_output_tokens,
+        "requests_per_s": len(outputs) / elapsed,
+        "output_tokens_per_s": num_output_tokens / elapsed,
+        "total_tokens_per_s": (workload.num_prompt_tokens + num_output_tokens) / elapsed,
+        "num_prompt_tokens_computed": num_prompt_tokens_computed,
+        "num_generation_tokens": stat_delta("num_generation_tokens"),
+        "prefix_cache_queries": stat_delta("prefix_cache_queries"),
+        "prefix_cache_hits": stat_delta("prefix_cache_hits"),
+        "num_cached_tokens": sum(out.num_cached_tokens for out in outputs),
+        "num_preemptions": stat_delta("num_preemptions"),
+        "num_threads": torch.get_num_threads(),
+    }
+    metrics.update(_phase_metrics(outputs, start, num_prompt_tokens_computed))
+    return metrics, [out.outputs[0].token_ids for out in outputs]
+
+
+def _phase_metrics(
+    outputs: list[RequestOutput], start: float, num_prompt_tokens_computed: int
+) -> dict[str, float | None]:
+    """TTFT, TPOT, and prefill/decode rates split at the last request's first token.
+
+    | prefill phase: until every request has its first token | decode phase: until the last token |
+    NOTE: with chunked prefill, early requests already decode during the prefill phase; those
+    tokens count toward the decode rate, which therefore is a slight overestimate.
+    """
+    ttfts = [out.metrics.time_to_first_token for out in outputs]
+    tpots = []
+    for out in outputs:
+        num_tokens = len(out.outputs[0].token_ids)
+        if num_tokens > 1:
+            tpots.append((out.metrics.last_token_time - out.metrics.first_token_time)
+                         / (num_tokens - 1))
+    last_first_token = max(out.metrics.first_token_time for out in outputs)
+    last_token = max(out.metrics.last_token_time for out in outputs)
+    num_decode_tokens = sum(len(out.outputs[0].token_ids) - 1 for out in outputs)
+    return {
+        "mean_ttft_s": sum(ttfts) / len(ttfts),
+        "mean_tpot_s": sum(tpots) / len(tpots) if tpots else None,
+        "prefill_time_s": last_first_token - start,
+        "prefill_tokens_per_s": _safe_div(num_prompt_tokens_computed, last_first_token - start),
+        "decode_time_s": last_token - last_first_token,
+        "decode_tokens_per_s": _safe_div(num_decode_tokens, last_token - last_first_token),
+    }
+
+
+def run_hf(
+    model_path: str, dtype: str, workload: Workload, batch_size: int | None
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """transformers generate() with static batches and left padding; same metrics where defined."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise RuntimeError(
+            "--baseline hf needs transformers (pip install 'pagedserve[test]' or transformers)"
+        ) from exc
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    load_start = time.monotonic()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(os.path.abspath(model_path)), gguf_file=os.path.basename(model_path),
+        dtype=torch_dtype,
+    ).eval()
+    load_time = time.monotonic() - load_start
+    # NOTE: transformers may warn that GGUF weights "stay packed"; for architectures without a
+    # packed kernel it dequantizes to a dense model. Record what was actually loaded.
+    weight_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    pad_token_id = model.generation_config.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = 0  # masked out; only needs to be a valid id
+
+    def generate(prompts: list[list[int]], num_new_tokens: int) -> list[list[int]]:
+        max_len = max(len(ids) for ids in prompts)
+        # Left padding: every row's last prompt token sits at column max_len - 1.
+        input_ids = torch.tensor([[pad_token_id] * (max_len - len(ids)) + ids for ids in prompts])
+        attention_mask = torch.tensor(
+            [[0] * (max_len - len(ids)) + [1] * len(ids) for ids in prompts]
+        )
+        with torch.inference_mode():
+            sequences = model.generate(
+                input_ids, attention_mask=attention_mask, do_sample=False,
+                max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
+                pad_token_id=pad_token_id,
+            )
+        return sequences[:, max_len:].tolist()  # (B, num_new_tokens)
+
+    generate([workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], WARMUP_OUTPUT_LEN)
+    prompts = workload.prompt_token_ids
+    batch_size = batch_size or len(prompts)
+    start = time.monotonic()
+    output_ids: list[list[int]] = []
+    for offset in range(0, len(prompts), batch_size):
+        output_ids.extend(generate(prompts[offset : offset + batch_size], workload.output_len))
+    elapsed = time.monotonic() - start
+
+    num_output_tokens = sum(len(ids) for ids in output_ids)
+    metrics = {
+        "elapsed_s": elapsed,
+        "load_time_s": load_time,
+        "batch_size": batch_size,
+        "num_requests": len(prompts),
+        "num_prompt_tokens": workload.num_prompt_tokens,
+        "num_output_tokens": num_output_tokens,
+        "requests_per_s": len(prompts) / elapsed,
+        "output_tokens_per_s": num_output_tokens / elapsed,
+        "total_tokens_per_s": (workload.num_prompt_tokens + num_output_tokens) / elapsed,
+        "num_threads": torch.get_num_threads(),
+        "weight_dtypes": weight_dtypes,
+        "attn_implementation": model.config._attn_implementation,
+        "transformers_version": transformers.__version__,
+    }
+    return metrics, output_ids
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark described by parsed CLI args; print a table and return every number."""
+    if args.hf_batch_size is not None and args.hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
+    engine_args = EngineArgs.from_cli_args(args)
+    load_average_start = os.getloadavg()[0]
+    llm = LLM(**vars(engine_args))
+    model_path = llm.engine.config.model_path
+    workload = make_workload(args, llm.get_tokenizer().vocab_size)
+    ours, our_output_ids = run_pagedserve(llm, workload)
+    del llm  # free the KV pool before loading a second copy of the weights
+    gc.collect()
+
+    result: dict[str, Any] = {
+        "config": {
+            "model_path": model_path,
+            "dtype": engine_args.dtype,
+            "dataset": args.dataset,
+            "num_prompts": len(workload.prompt_token_ids),
+            "output_len": workload.output_len,
+            "mean_prompt_len": workload.num_prompt_tokens / len(workload.prompt_token_ids),
+            "seed": args.seed,
+            "num_threads": torch.get_num_threads(),
+            "engine_args": vars(engine_args),
+            # Other processes on the CPU slow both sides; keep the evidence with the numbers.
+            "load_average_1min_start": load_average_start,
+        },
+        "pagedserve": ours,
+        "hf": None,
+        "output_tokens_per_s_ratio": None,
+    }
+    if args.dataset == "doc-qa":
+        result["config"].update(num_docs=args.num_docs, doc_len=args.doc_len,
+                                question_len=args.question_len)
+    else:
+        result["config"]["input_len"] = args.input_len
+    if args.baseline == "hf":
+        hf, hf_output_ids = run_hf(model_path, engine_args.dtype, workload, args.hf_batch_size)
+        # Greedy on both sides, so identical outputs are expected up to numerics.
+        hf["num_outputs_identical_to_ours"] = sum(
+            a == b for a, b in zip(our_output_ids, hf_output_ids)
+        )
+        result["hf"] = hf
+        ratio = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        result["output_tokens_per_s_ratio"] = ratio
+    result["config"]["load_average_1min_end"] = os.getloadavg()[0]
+
+    print(format_table(result))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    config, ours, hf = result["config"], result["pagedserve"], result["hf"]
+
+    def number(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    rows = [
+        ("total time (s)", "elapsed_s", ".2f"),
+        ("requests/s", "requests_per_s", ".2f"),
+        ("output tokens/s", "output_tokens_per_s", ".1f"),
+        ("total tokens/s", "total_tokens_per_s", ".1f"),
+        ("prompt tokens", "num_prompt_tokens", "d"),
+        ("output tokens", "num_output_tokens", "d"),
+        ("prompt tokens computed", "num_prompt_tokens_computed", "d"),
+        ("prefix-cache hits / queries", None, None),
+        ("preemptions", "num_preemptions", "d"),
+        ("mean TTFT (ms)", "mean_ttft_s", "ms"),
+        ("mean time per output token (ms)", "mean_tpot_s", "ms"),
+        ("prefill tokens/s", "prefill_tokens_per_s", ".1f"),
+        ("decode tokens/s", "decode_tokens_per_s", ".1f"),
+    ]
+    width = 34
+    lines = [
+        f"model {os.path.basename(config['model_path'])}  dtype {config['dtype']}  "
+        f"dataset {config['dataset']}  prompts {config['num_prompts']}  "
+        f"mean prompt len {config['mean_prompt_len']:.0f}  output len {config['output_len']}  "
+        f"threads {config['num_threads']}  load avg {config['load_average_1min_start']:.2f} -> "
+        f"{config['load_average_1min_end']:.2f}",
+        f"{'':<{width}}{'pagedserve':>14}" + (f"{'hf':>14}" if hf else ""),
+    ]
+    for label, key, fmt in rows:
+        if key is None:
+            cells = [f"{ours['prefix_cache_hits']} / {ours['prefix_cache_queries']}"]
+        else:
+            cells = []
+            for side in (ours, hf) if hf else (ours,):
+                value = side.get(key)
+                if fmt == "ms":
+                    cells.append(number(None if value is None else value * 1000, ".1f"))
+                else:
+                    cells.append(number(value, fmt))
+        lines.append(f"{label:<{width}}" + "".join(f"{cell:>14}" for cell in cells))
+    if hf:
+        lines.append(f"{'hf batch size':<{width}}{'':>14}{hf['batch_size']:>14}")
+        lines.append(f"{'outputs identical to ours':<{width}}{'':>14}"
+                     f"{hf['num_outputs_identical_to_ours']:>14}")
+        ratio = result["output_tokens_per_s_ratio"]
+        lines.append(f"output tokens/s ratio pagedserve / hf: {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_cli_args(parser)
+    main(parser.parse_args())

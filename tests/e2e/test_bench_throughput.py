@@ -1,0 +1,110 @@
+"""The throughput benchmark end to end on the real default model, with a tiny workload:
+parsed from CLI flags, run in-process, its result dict checked for sane numbers.
+
+The benchmark's LLM is built by the `make_llm` fixture: session-shared weights, and the engine is
+checked idle (no KV blocks held) on teardown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from pagedserve.benchmarks import throughput
+from pagedserve.models.loader import DEFAULT_MODEL
+
+
+@pytest.fixture
+def run_bench(make_llm, monkeypatch):
+    """run_bench(*cli_flags) -> main()'s result, on one torch thread (restored afterwards).
+
+    NOTE: one thread because on a small shared CPU, threads that wait on each other's cores make
+    a tiny model many times slower; the numbers are not what this test checks.
+    """
+    num_threads = torch.get_num_threads()
+
+    def llm_over_shared_weights(**engine_kwargs):
+        assert engine_kwargs.pop("model") == DEFAULT_MODEL
+        return make_llm(**engine_kwargs)
+
+    monkeypatch.setattr(throughput, "LLM", llm_over_shared_weights)
+
+    def run(*flags: str) -> dict:
+        parser = argparse.ArgumentParser()
+        throughput.add_cli_args(parser)
+        return throughput.main(parser.parse_args(
+            ["--dtype", "float32", "--kv-cache-memory", "256MiB", "--num-threads", "1", *flags]
+        ))
+
+    yield run
+    torch.set_num_threads(num_threads)
+
+
+def check_ours(result: dict, num_prompts: int, output_len: int) -> dict:
+    ours = result["pagedserve"]
+    assert result["config"]["num_prompts"] == ours["num_requests"] == num_prompts
+    assert ours["num_output_tokens"] == num_prompts * output_len
+    assert ours["num_generation_tokens"] == num_prompts * output_len
+    for key in ("elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                "mean_ttft_s", "mean_tpot_s", "prefill_tokens_per_s", "decode_tokens_per_s"):
+        assert ours[key] > 0, (key, ours[key])
+    # Whatever the cache did not supply was computed, exactly once (no preemptions here).
+    assert ours["num_preemptions"] == 0
+    assert ours["prefix_cache_queries"] == ours["num_prompt_tokens"]
+    num_uncached = ours["num_prompt_tokens"] - ours["prefix_cache_hits"]
+    assert ours["num_prompt_tokens_computed"] == num_uncached
+    assert ours["num_cached_tokens"] == ours["prefix_cache_hits"]
+    return ours
+
+
+@pytest.mark.slow
+def test_random_dataset_with_hf_baseline(run_bench, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    json_path = tmp_path / "result.json"
+    result = run_bench("--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+                       "--baseline", "hf", "--output-json", str(json_path))
+    ours = check_ours(result, num_prompts=4, output_len=8)
+    assert ours["num_prompt_tokens"] == 4 * 16
+    assert ours["prefix_cache_hits"] == 0  # random prompts share nothing
+    hf = result["hf"]
+    assert hf["num_output_tokens"] == 4 * 8  # min_new_tokens: nobody stops early
+    assert hf["output_tokens_per_s"] > 0 and hf["batch_size"] == 4
+    assert hf["weight_dtypes"] == ["float32"]  # a dense model in our dtype, as ours is
+    assert result["output_tokens_per_s_ratio"] == pytest.approx(
+        ours["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    # Greedy fp32 on the same weights: left padding must not change HF's answers.
+    assert hf["num_outputs_identical_to_ours"] >= 3
+    assert json.loads(json_path.read_text())["pagedserve"]["num_output_tokens"] == 32
+    assert "output tokens/s ratio" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_doc_qa_dataset_hits_the_prefix_cache(run_bench):
+    result = run_bench("--dataset", "doc-qa", "--num-docs", "2", "--doc-len", "64",
+                       "--questions-per-doc", "2", "--question-len", "8", "--output-len", "8")
+    ours = check_ours(result, num_prompts=4, output_len=8)
+    assert result["hf"] is None
+    assert ours["num_prompt_tokens"] == 4 * (64 + 8)
+    # Each 64-token document (4 blocks) is computed once; the second question reuses it.
+    assert ours["prefix_cache_hits"] == 2 * 64
+
+
+def test_workload_is_deterministic_and_avoids_special_ids():
+    parser = argparse.ArgumentParser()
+    throughput.add_cli_args(parser)
+    args = parser.parse_args(["--num-prompts", "3", "--input-len", "50", "--seed", "7"])
+    first = throughput.make_workload(args, vocab_size=1000)
+    assert first == throughput.make_workload(args, vocab_size=1000)
+    ids = [i for prompt in first.prompt_token_ids for i in prompt]
+    assert len(set(map(tuple, first.prompt_token_ids))) == 3
+    assert 100 <= min(ids) and max(ids) < 900
+
+    args = parser.parse_args(["--dataset", "doc-qa", "--num-docs", "2", "--doc-len", "20",
+                              "--question-len", "5", "--num-prompts", "6"])
+    prompts = throughput.make_workload(args, vocab_size=1000).prompt_token_ids
+    assert len(prompts) == 6 and all(len(p) == 25 for p in prompts)
+    # Interleaved across documents: d0, d1, d0, d1, ...
+    assert prompts[0][:20] == prompts[2][:20] != prompts[1][:20] == prompts[3][:20]
