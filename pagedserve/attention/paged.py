@@ -59,28 +59,33 @@ def _decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q: (B, H, D), one query per request at the end of its sequence."""
-    num_decodes = q.shape[0]
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
     max_len = max(meta.seq_lens[:num_decodes])
     k, v = _gather(key_cache, value_cache, meta.block_table[:num_decodes], max_len)  # (B, L, Hkv, D)
     positions = torch.arange(k.shape[1], device=q.device)
     mask = positions[None, :] < meta.decode_seq_lens[:, None]  # (B, L)
+    # The G = H / Hkv query heads sharing a KV head sit at the same position, so they can be
+    # that head's G "query tokens": plain multi-head SDPA, no GQA expansion (6x faster in bf16
+    # on CPU than enable_gqa with a single query).
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # (B, H, 1, D)
+        q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim),  # (B, Hkv, G, D)
         k.transpose(1, 2),  # (B, Hkv, L, D)
         v.transpose(1, 2),
         attn_mask=mask[:, None, None, :],
-        enable_gqa=True,
     )
-    return o.squeeze(2)
+    return o.reshape(num_decodes, num_heads, head_dim)
 
 
 def _gather(
     key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, max_blocks) block ids -> K, V of the first seq_len positions: (B, L, Hkv, D), L >= seq_len."""
-    block_size = key_cache.shape[1]
+    num_reqs = block_table.shape[0]
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_blocks = -(-seq_len // block_size)
-    ids = block_table[:, :num_blocks]
-    k = key_cache[ids].flatten(1, 2)
-    v = value_cache[ids].flatten(1, 2)
+    ids = block_table[:, :num_blocks].flatten()
+    # index_select on the block dimension: ~8x faster on CPU than advanced indexing.
+    k = key_cache.index_select(0, ids).view(num_reqs, -1, num_kv_heads, head_dim)
+    v = value_cache.index_select(0, ids).view(num_reqs, -1, num_kv_heads, head_dim)
     return k[:, :seq_len], v[:, :seq_len]
