@@ -141,13 +141,24 @@ class LLMEngine:
         )
         return request_id
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Abort requests (unknown or finished ids are ignored); returns their final outputs,
+        whose unfinished sequences end with finish_reason "abort"."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        final_outputs = []
         for request_id in request_ids:
             seq_ids = self.output_processor.sequence_ids(request_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
-            self.output_processor.abort_request(request_id)
+            output = self.output_processor.abort_request(request_id)
+            if output is not None:
+                final_outputs.append(output)
+        return final_outputs
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Ids of the requests not finished yet."""
+        return list(self.output_processor.requests)
 
     # ---- the loop ---------------------------------------------------------------------------
 

@@ -113,11 +113,23 @@ class OutputProcessor:
         state = self.requests.get(request_id)
         return list(state.sequences) if state else []
 
-    def abort_request(self, request_id: str) -> None:
-        state = self.requests.pop(request_id, None)
-        if state is not None:
-            for seq_id in state.sequences:
-                self._seq_to_request.pop(seq_id, None)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget a request; returns its final output (unfinished sequences end in "abort")."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for seq in state.sequences.values():
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        state.metrics.finished_time = time.monotonic()
+        output = self._make_output(state, finished=True)
+        self._forget(request_id)
+        return output
+
+    def _forget(self, request_id: str) -> None:
+        state = self.requests.pop(request_id)
+        for seq_id in state.sequences:
+            self._seq_to_request.pop(seq_id, None)
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         now = time.monotonic()
@@ -161,7 +173,7 @@ class OutputProcessor:
             if output is not None:
                 request_outputs.append(output)
             if finished:
-                self.abort_request(request_id)
+                self._forget(request_id)
         return ProcessedOutputs(request_outputs, stopped_by_string)
 
     def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:

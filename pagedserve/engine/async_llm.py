@@ -1,0 +1,225 @@
+"""Serves many concurrent callers from one engine.
+
+The engine steps in one background thread; everything that touches it (adding, aborting, stepping)
+runs there, fed through a command queue. Callers on an asyncio loop await a per-request queue of
+DELTA outputs. torch releases the GIL inside its kernels, so the HTTP side runs while the model
+computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from pagedserve.core.scheduler import SchedulerStats
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.outputs import OutputKind, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_SECONDS = 1.0
+"""How often an idle engine thread reports stats (gauges stay fresh)."""
+
+
+class StatLogger(Protocol):
+    """Called from the engine thread; must be thread-safe and quick."""
+
+    def record_step(self, stats: SchedulerStats, now: float) -> None: ...
+
+    def record_output(self, output: RequestOutput, now: float) -> None: ...
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; no request can be served any more."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The engine is shutting down and accepts no new requests."""
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine, stat_loggers: list[StatLogger] | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.config.model
+        self.max_model_len = engine.config.scheduler.max_model_len
+        self.stat_loggers = list(stat_loggers or [])
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # request id -> (the caller's loop, its output queue); touched by the engine thread only
+        self._consumers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = engine.get_stats()
+        self._num_unfinished = 0
+        self._stop = False
+        self.is_draining = False
+        self.errored = False
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, stat_loggers: list[StatLogger] | None = None
+    ) -> AsyncLLM:
+        return cls(LLMEngine.from_engine_args(engine_args), stat_loggers)
+
+    # ---- the caller's side ------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield DELTA outputs until the request finishes.
+
+        Raises ValueError for bad input before anything is yielded. Stopping the iteration early
+        (the client went away) aborts the request and frees its blocks.
+        """
+        if self.errored:
+            raise EngineDeadError("the engine loop has failed")
+        if self.is_draining:
+            raise EngineDrainingError("the server is shutting down")
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def add() -> None:
+            self.engine.add_request(
+                request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                output_kind=OutputKind.DELTA,
+            )
+            self._consumers[request_id] = (loop, outputs)
+
+        await self._call(add)
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._submit(lambda: self._abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(lambda: self._abort(request_id))
+
+    def get_stats(self) -> SchedulerStats:
+        return self._stats
+
+    def num_unfinished_requests(self) -> int:
+        return self._num_unfinished
+
+    def num_waiting_requests(self) -> int:
+        return self._stats.num_waiting_reqs
+
+    def check_idle(self) -> None:
+        """Raise unless the engine holds no request and no block (run in the engine thread)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(lambda: future.set_result(self.engine.assert_idle()), future)
+        future.result(timeout=30)
+
+    async def shutdown(self, drain_timeout: float | None = None) -> None:
+        """Refuse new requests, let running ones finish for up to drain_timeout seconds, abort
+        the rest (their callers see finish_reason "abort"), then stop the engine thread."""
+        self.is_draining = True
+        deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
+        while self._num_unfinished and (deadline is None or time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
+        await self._call(self._abort_all)
+        self._stop = True
+        self._submit(lambda: None)  # wake the thread so it sees _stop
+        await asyncio.to_thread(self._thread.join)
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def _submit(
+        self, command: Callable[[], Any], future: concurrent.futures.Future | None = None
+    ) -> None:
+        """Queue `command` for the engine thread. Its exception goes to `future` (or the log);
+        it never stops the loop."""
+
+        def guarded() -> None:
+            try:
+                command()
+            except Exception as error:
+                if future is None:
+                    logger.exception("engine command failed")
+                elif not future.done():
+                    future.set_exception(error)
+
+        self._commands.put(guarded)
+
+    async def _call(self, command: Callable[[], Any]) -> None:
+        """Run `command` in the engine thread and wait for it; its exception is re-raised here."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def wrapped() -> None:
+            command()
+            future.set_result(None)
+
+        self._submit(wrapped, future)
+        await asyncio.wrap_future(future)
+
+    def _abort(self, request_id: str) -> None:
+        for output in self.engine.abort_request(request_id):
+            self._deliver(output)
+        self._consumers.pop(request_id, None)
+
+    def _abort_all(self) -> None:
+        for output in self.engine.abort_request(self.engine.request_ids):
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        consumer = self._consumers.get(output.request_id)
+        if consumer is not None:
+            loop, outputs = consumer
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
+            if output.finished:
+                del self._consumers[output.request_id]
+        now = time.monotonic()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_output(output, now)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_POLL_SECONDS) if block else None
+            while True:
+                if command is not None:
+                    command()
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._run_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        self._deliver(output)
+                self._stats = self.engine.get_stats()
+                self._num_unfinished = self._stats.num_running_reqs + self._stats.num_waiting_reqs
+                now = time.monotonic()
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record_step(self._stats, now)
+        except BaseException as error:
+            logger.exception("engine loop failed")
+            self.errored = True
+            dead = EngineDeadError(f"the engine loop failed: {error!r}")
+            for loop, outputs in self._consumers.values():
+                loop.call_soon_threadsafe(outputs.put_nowait, dead)
+            self._consumers.clear()
