@@ -12,32 +12,24 @@ import argparse
 import gc
 import json
 import os
-import random
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pagedserve.benchmarks.datasets import (
+    NUM_SPECIAL_MARGIN,
+    Workload,
+    add_dataset_args,
+    make_workload,
+)
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
-NUM_SPECIAL_MARGIN = 100
-"""Random prompt ids avoid the first and last this-many vocab ids, where special tokens sit."""
 WARMUP_PROMPT_LEN = 8
 WARMUP_OUTPUT_LEN = 4
-
-
-@dataclass
-class Workload:
-    prompt_token_ids: list[list[int]]
-    output_len: int
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(ids) for ids in self.prompt_token_ids)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -45,20 +37,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
     --seed is the engine's; the prompt generator uses it too.
     """
-    group = parser.add_argument_group("workload")
-    group.add_argument("--dataset", choices=("random", "doc-qa"), default="random",
-                       help="random: unique random-token prompts; doc-qa: shared documents "
-                            "plus short questions (exercises the prefix cache)")
-    group.add_argument("--num-prompts", type=int, default=32,
-                       help="random: prompts to send; doc-qa: used only to derive "
-                            "--questions-per-doc when that is not given")
-    group.add_argument("--input-len", type=int, default=200, help="random: tokens per prompt")
-    group.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt")
-    group.add_argument("--num-docs", type=int, default=2, help="doc-qa: shared documents")
-    group.add_argument("--doc-len", type=int, default=1000, help="doc-qa: tokens per document")
-    group.add_argument("--questions-per-doc", type=int, default=None,
-                       help="doc-qa: questions per document (default: num-prompts / num-docs)")
-    group.add_argument("--question-len", type=int, default=32, help="doc-qa: tokens per question")
+    add_dataset_args(parser)
     group = parser.add_argument_group("baseline and output")
     group.add_argument("--baseline", choices=("none", "hf"), default="none",
                        help="hf: also run transformers generate() on the same prompts")
@@ -66,33 +45,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="prompts per transformers generate() call (default: all)")
     group.add_argument("--output-json", type=str, default=None, help="write all results here")
     EngineArgs.add_cli_args(parser)
-
-
-def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    """Prompt token ids from a fixed-seed RNG over ordinary (non-special) vocab ids."""
-    for name in ("num_prompts", "input_len", "output_len", "num_docs", "doc_len", "question_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    low, high = NUM_SPECIAL_MARGIN, vocab_size - NUM_SPECIAL_MARGIN
-    if high <= low:
-        raise ValueError(f"vocab_size {vocab_size} is too small for random prompts")
-    rng = random.Random(args.seed)
-
-    def random_ids(num_tokens: int) -> list[int]:
-        return [rng.randrange(low, high) for _ in range(num_tokens)]
-
-    if args.dataset == "random":
-        # Unique per prompt with overwhelming probability; the first token alone makes a clash
-        # of two 200-token prompts a 1-in-49k event, so nothing hits the prefix cache.
-        return Workload([random_ids(args.input_len) for _ in range(args.num_prompts)],
-                        args.output_len)
-    questions_per_doc = args.questions_per_doc or max(1, args.num_prompts // args.num_docs)
-    docs = [random_ids(args.doc_len) for _ in range(args.num_docs)]
-    # Interleaved (q0 of d0, q0 of d1, q1 of d0, ...) so each document's prefix is reused
-    # across requests that arrive between other documents' requests.
-    prompts = [doc + random_ids(args.question_len)
-               for _ in range(questions_per_doc) for doc in docs]
-    return Workload(prompts, args.output_len)
 
 
 def _fixed_length_params(output_len: int) -> SamplingParams:

@@ -110,6 +110,13 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pagedserve.benchmarks import serve
+
+    serve.main(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     throughput.add_cli_args(throughput_parser)
     throughput_parser.set_defaults(func=cmd_bench_throughput)
+    serve_bench_parser = bench_commands.add_parser(
+        "serve", help="load any OpenAI-compatible server and measure TTFT, ITL, throughput"
+    )
+    from pagedserve.benchmarks import serve as serve_bench
+
+    serve_bench.add_cli_args(serve_bench_parser)
+    serve_bench_parser.set_defaults(func=cmd_bench_serve)
     return parser
 
 

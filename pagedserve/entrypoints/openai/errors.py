@@ -1,0 +1,69 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+
+Every failure the server reports goes through `APIError`, so no body ever carries a traceback, a
+file path or a pydantic dump. Knows nothing of the engine.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """A request failed; `status_code` and `message` go to the client verbatim."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        error_type = _ERROR_TYPES.get(self.status_code, "invalid_request_error")
+        return {"error": {"message": self.message, "type": error_type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_http_status(status_code: int) -> APIError:
+    """For Starlette's own errors (unknown route, wrong method): the status phrase, no detail."""
+    phrase = HTTPStatus(status_code).phrase if status_code in HTTPStatus._value2member_map_ else ""
+    code = phrase.lower().replace(" ", "_") or None
+    return APIError(status_code, phrase or "error", code=code)
+
+
+def from_validation_error(error: ValidationError) -> APIError:
+    """The first pydantic error as one line; `param` is the top-level field it concerns."""
+    first = error.errors(include_url=False, include_input=False)[0]
+    loc = [str(part) for part in first["loc"]]
+    message = first["msg"].removeprefix("Value error, ")
+    if loc:
+        message = f"{'.'.join(loc)}: {message}"
+    return bad_request(message, param=loc[0] if loc else None)

@@ -1,0 +1,300 @@
+"""The OpenAI wire format: pydantic models for requests (validated strictly, unknown fields
+ignored as vLLM does) and for responses and stream chunks.
+
+Only shapes and static bounds live here; limits that need the model (vocabulary, context length)
+are checked in serving.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+MAX_N = 16
+"""Most completions per prompt (n)."""
+MAX_LOGPROBS = 20
+"""OpenAI's cap on logprobs / top_logprobs."""
+MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_PROMPTS = 64
+"""Most prompts in one completion request (each becomes its own engine request)."""
+
+
+class RequestModel(BaseModel):
+    """Strict: "5" is not an int and NaN is not a number; unknown fields are kept and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool | None = False
+
+
+class GenerationRequest(RequestModel):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float | None = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's sampling extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # vLLM's scheduling extras
+    priority: int = 0
+    cache_salt: str | None = Field(default=None, min_length=1)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    """Echoed as the response id; the engine always gets a fresh id of its own."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if len(value) > MAX_STOP_STRINGS:
+                raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+            if not all(isinstance(text, str) and text for text in value):
+                raise ValueError("stop must be a non-empty string or a list of them")
+        elif value is not None and not (isinstance(value, str) and value):
+            raise ValueError("stop must be a non-empty string or a list of them")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _check_logit_bias_size(cls, value: Any) -> Any:
+        if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
+        return value
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's four failed union members.
+        def is_token_ids(item: Any) -> bool:
+            return (isinstance(item, list) and len(item) > 0
+                    and all(isinstance(t, int) and not isinstance(t, bool) for t in item))
+
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if len(value) > MAX_PROMPTS and not is_token_ids(value):
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+            if all(isinstance(item, str) for item in value) or is_token_ids(value):
+                return value
+            if all(is_token_ids(item) for item in value):
+                return value
+        raise ValueError("prompt must be a string, a list of strings, a non-empty list of token "
+                         "ids, or a list of such lists")
+
+
+class TextContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content_shape(cls, value: Any) -> Any:
+        if value is None or isinstance(value, (str, list)):
+            return value
+        raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts")
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(RequestModel):
+    """Exactly one of `prompt` (plain text) and `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    max_model_len: int
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogProbs(ResponseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    """vLLM's extension: the stop string or token id that ended the sequence."""
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatLogProb(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatLogProbs(ResponseModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class ChatResponseMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(ResponseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        # A delta carries only what changed: {"role": "assistant"} first, then {"content": ...}.
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatCompletionStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str

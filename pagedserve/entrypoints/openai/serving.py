@@ -1,0 +1,612 @@
+"""OpenAI requests in, engine calls out, and engine outputs back as OpenAI responses or SSE chunks.
+
+Completions and chat share one path: build prompts (tokenized off the event loop), check them
+against the model's limits, build SamplingParams, start one `AsyncLLM.generate` stream per prompt
+(`Generation`), then either collect the outputs or turn them into chunks. They differ only in
+prompt building and in a small format object (`_CompletionFormat`, `_ChatFormat`). Knows nothing
+of HTTP: api_server.py owns sockets, disconnects and headers; this module raises `APIError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineDrainingError
+from pagedserve.entrypoints.openai import protocol as p
+from pagedserve.entrypoints.openai.errors import APIError, bad_request
+from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+MIN_LOGPROB = -9999.0
+"""-inf (a token the sampler ruled out) is not valid JSON; vLLM sends this instead."""
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    token_ids: list[int]
+    text: str | None
+    """The prompt as text, when it came as text (echo); None for token-id prompts."""
+
+
+def engine_error(error: ValueError | EngineDrainingError | EngineDeadError) -> APIError:
+    """The APIError for an exception out of AsyncLLM.generate (ValueError: bad input)."""
+    if isinstance(error, EngineDrainingError):
+        return APIError(503, "the server is shutting down", code="shutting_down")
+    if isinstance(error, EngineDeadError):
+        return APIError(500, "the engine has failed; the server must be restarted",
+                        code="engine_dead")
+    return bad_request(str(error))
+
+
+class Generation:
+    """One HTTP request's engine streams (one per prompt), merged in the order outputs arrive.
+
+    `start()` waits for every stream's first output, so bad input (ValueError) surfaces before a
+    response starts. `aclose()` cancels what is still running: AsyncLLM aborts those requests.
+    """
+
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
+        self._streams = streams
+        self._pending: dict[asyncio.Task, int] = {}
+        """Task awaiting a stream's next output -> its prompt index."""
+        self._ready: list[tuple[int, RequestOutput]] = []
+
+    async def start(self) -> None:
+        firsts = [asyncio.create_task(_next_output(stream)) for stream in self._streams]
+        try:
+            outputs = await asyncio.gather(*firsts)
+        except BaseException:
+            for task in firsts:
+                task.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
+            await self.aclose()
+            raise
+        for prompt_index, output in enumerate(outputs):
+            assert output is not None, "a generate() stream ended without a finished output"
+            self._ready.append((prompt_index, output))
+            if not output.finished:
+                self._await_next(prompt_index)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, DELTA output) pairs; every prompt's last one has finished=True."""
+        ready, self._ready = self._ready, []
+        for item in ready:
+            yield item
+        while self._pending:
+            done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=self._pending.__getitem__):
+                prompt_index = self._pending.pop(task)
+                output = task.result()
+                assert output is not None, "a generate() stream ended without a finished output"
+                if not output.finished:
+                    self._await_next(prompt_index)
+                yield prompt_index, output
+
+    async def aclose(self) -> None:
+        pending = list(self._pending)
+        self._pending.clear()
+        for task in pending:
+            task.cancel()  # raises CancelledError inside generate(), which aborts the request
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in self._streams:
+            await stream.aclose()
+
+    def _await_next(self, prompt_index: int) -> None:
+        task = asyncio.create_task(_next_output(self._streams[prompt_index]))
+        self._pending[task] = prompt_index
+
+
+async def _next_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    return await anext(stream, None)
+
+
+class EventStream:
+    """The SSE events (`data: ...` strings) of a started Generation.
+
+    The consumer must `aclose()` it, iterated or not: that aborts whatever still runs.
+    """
+
+    def __init__(self, events: AsyncIterator[str], generation: Generation) -> None:
+        self._events = events
+        self._generation = generation
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._events
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            await self._generation.aclose()
+
+
+# ---- per-request bookkeeping ------------------------------------------------------------------
+
+
+@dataclass
+class _Choice:
+    """One output sequence (choice) accumulated from DELTA outputs."""
+
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_chars: int = 0
+    """Characters already streamed (completion logprobs' text_offset continues from here)."""
+    started: bool = False
+    """Whether a chunk was streamed for it yet (echo goes into the first one)."""
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.text_parts.append(completion.text)
+        self.token_ids.extend(completion.token_ids)
+        self.logprobs.extend(completion.logprobs or ())
+        if completion.finish_reason is not None:
+            self.finish_reason = completion.finish_reason
+            self.stop_reason = completion.stop_reason
+
+
+@dataclass
+class _Usage:
+    num_prompt_tokens: list[int]
+    """Per prompt."""
+    num_cached_tokens: list[int] = field(default_factory=list)
+    num_completion_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_cached_tokens = [0] * len(self.num_prompt_tokens)
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        self.num_cached_tokens[prompt_index] = max(self.num_cached_tokens[prompt_index],
+                                                   output.num_cached_tokens)
+        self.num_completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def info(self) -> p.UsageInfo:
+        num_prompt_tokens = sum(self.num_prompt_tokens)
+        return p.UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=self.num_completion_tokens,
+            total_tokens=num_prompt_tokens + self.num_completion_tokens,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(self.num_cached_tokens)),
+        )
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def _sse(payload: BaseModel | dict) -> str:
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# ---- the two formats --------------------------------------------------------------------------
+
+
+class _CompletionFormat:
+    """/v1/completions: text choices, logprobs as parallel lists, optional echo of the prompt."""
+
+    def __init__(self, serving: OpenAIServing, request: p.CompletionRequest, response_id: str,
+                 prompts: list[PromptInput]) -> None:
+        self.serving = serving
+        self.request = request
+        self.response_id = response_id
+        self.prompts = prompts
+        self.created = int(time.time())
+
+    def _prompt_text(self, prompt_index: int) -> str:
+        prompt = self.prompts[prompt_index]
+        if prompt.text is not None:
+            return prompt.text
+        return self.serving.tokenizer.decode(prompt.token_ids)
+
+    def initial_chunks(self) -> list[BaseModel]:
+        return []
+
+    def stream_choice(self, index: int, prompt_index: int, output: RequestOutput,
+                      completion: CompletionOutput, choice: _Choice) -> p.CompletionChoice | None:
+        text, token_ids, positions = completion.text, completion.token_ids, completion.logprobs
+        wants_logprobs = self.request.logprobs is not None
+        if self.request.echo and not choice.started:
+            text = self._prompt_text(prompt_index) + text
+            if wants_logprobs:
+                token_ids = output.prompt_token_ids + token_ids
+                positions = list(output.prompt_logprobs or [None]) + list(positions or [])
+        if not text and completion.finish_reason is None and not (wants_logprobs and token_ids):
+            return None
+        logprobs = None
+        if wants_logprobs:
+            logprobs = self.serving.completion_logprobs(token_ids, positions or [],
+                                                        choice.num_sent_chars)
+        choice.started = True
+        choice.num_sent_chars += len(text)
+        return p.CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=completion.finish_reason,
+                                  stop_reason=completion.stop_reason)
+
+    def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel:
+        return p.CompletionStreamResponse(id=self.response_id, created=self.created,
+                                          model=self.serving.served_model_name, choices=choices,
+                                          usage=usage)
+
+    def final_choice(self, index: int, prompt_index: int, choice: _Choice,
+                     prompt_output: RequestOutput) -> p.CompletionChoice:
+        text = "".join(choice.text_parts)
+        token_ids, positions = choice.token_ids, list(choice.logprobs)
+        if self.request.echo:
+            text = self._prompt_text(prompt_index) + text
+            token_ids = prompt_output.prompt_token_ids + token_ids
+            positions = list(prompt_output.prompt_logprobs or [None]) + positions
+        logprobs = None
+        if self.request.logprobs is not None:
+            logprobs = self.serving.completion_logprobs(token_ids, positions, 0)
+        return p.CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=choice.finish_reason,
+                                  stop_reason=choice.stop_reason)
+
+    def response(self, choices: list, usage: p.UsageInfo) -> BaseModel:
+        return p.CompletionResponse(id=self.response_id, created=self.created,
+                                    model=self.serving.served_model_name, choices=choices,
+                                    usage=usage)
+
+
+class _ChatFormat:
+    """/v1/chat/completions: an assistant message per choice, role delta first when streaming."""
+
+    def __init__(self, serving: OpenAIServing, request: p.ChatCompletionRequest,
+                 response_id: str) -> None:
+        self.serving = serving
+        self.request = request
+        self.response_id = response_id
+        self.created = int(time.time())
+        self.num_top_logprobs = request.top_logprobs or 0
+
+    def _logprobs(self, token_ids: list[int], positions) -> p.ChatLogProbs | None:
+        if not self.request.logprobs:
+            return None
+        return self.serving.chat_logprobs(token_ids, positions or [], self.num_top_logprobs)
+
+    def initial_chunks(self) -> list[BaseModel]:
+        return [
+            self.chunk([p.ChatCompletionStreamChoice(
+                index=index, delta=p.DeltaMessage(role="assistant", content=""))])
+            for index in range(self.request.n)
+        ]
+
+    def stream_choice(self, index: int, prompt_index: int, output: RequestOutput,
+                      completion: CompletionOutput, choice: _Choice
+                      ) -> p.ChatCompletionStreamChoice | None:
+        text, token_ids = completion.text, completion.token_ids
+        if not text and completion.finish_reason is None and not (self.request.logprobs
+                                                                   and token_ids):
+            return None
+        return p.ChatCompletionStreamChoice(
+            index=index, delta=p.DeltaMessage(content=text or None),
+            logprobs=self._logprobs(token_ids, completion.logprobs),
+            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+
+    def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel:
+        return p.ChatCompletionStreamResponse(id=self.response_id, created=self.created,
+                                              model=self.serving.served_model_name,
+                                              choices=choices, usage=usage)
+
+    def final_choice(self, index: int, prompt_index: int, choice: _Choice,
+                     prompt_output: RequestOutput) -> p.ChatCompletionChoice:
+        return p.ChatCompletionChoice(
+            index=index, message=p.ChatResponseMessage(content="".join(choice.text_parts)),
+            logprobs=self._logprobs(choice.token_ids, choice.logprobs),
+            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+
+    def response(self, choices: list, usage: p.UsageInfo) -> BaseModel:
+        return p.ChatCompletionResponse(id=self.response_id, created=self.created,
+                                        model=self.serving.served_model_name, choices=choices,
+                                        usage=usage)
+
+
+# ---- the service ------------------------------------------------------------------------------
+
+
+class OpenAIServing:
+    """The OpenAI API over one AsyncLLM. Each public coroutine raises APIError for bad requests."""
+
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str) -> None:
+        self.async_llm = async_llm
+        self.tokenizer = async_llm.tokenizer
+        self.served_model_name = served_model_name
+        self.max_model_len = async_llm.max_model_len
+        self.vocab_size = async_llm.model_config.vocab_size
+
+    # ---- endpoints ----
+
+    def models(self) -> p.ModelList:
+        return p.ModelList(data=[self.model_card()])
+
+    def model_card(self) -> p.ModelCard:
+        return p.ModelCard(id=self.served_model_name, max_model_len=self.max_model_len)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            shown = model if len(model) <= 100 else model[:100] + "..."
+            raise APIError(404, f"The model `{shown}` does not exist.", param="model",
+                           code="model_not_found")
+
+    async def create_completion(
+        self, request: p.CompletionRequest
+    ) -> p.CompletionResponse | EventStream:
+        """The full response, or (stream=True) the SSE events once generation runs."""
+        self._check_common(request)
+        if request.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise bad_request("best_of is not supported (use n)", "best_of")
+        prompts = await self._completion_prompts(request.prompt)
+        echo_logprobs = request.logprobs if request.echo else None
+        params = [self._sampling_params(request, prompt, request.max_tokens, default_max_tokens=16,
+                                        logprobs=request.logprobs, prompt_logprobs=echo_logprobs)
+                  for prompt in prompts]
+        response_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
+        fmt = _CompletionFormat(self, request, response_id, prompts)
+        return await self._run(request, prompts, params, fmt)
+
+    async def create_chat_completion(
+        self, request: p.ChatCompletionRequest
+    ) -> p.ChatCompletionResponse | EventStream:
+        self._check_common(request)
+        if request.top_logprobs and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        prompt = await self._chat_prompt(request.messages, request.add_generation_prompt)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = [self._sampling_params(request, prompt, max_tokens, logprobs=logprobs,
+                                        max_tokens_param=param, prompt_param="messages")]
+        response_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._run(request, [prompt], params, _ChatFormat(self, request, response_id))
+
+    async def tokenize(self, request: p.TokenizeRequest) -> p.TokenizeResponse:
+        self.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if request.messages is not None:
+            token_ids = (await self._chat_prompt(request.messages,
+                                                 request.add_generation_prompt)).token_ids
+        else:
+            token_ids = await asyncio.to_thread(self.tokenizer.encode, request.prompt,
+                                                request.add_special_tokens)
+        return p.TokenizeResponse(count=len(token_ids), max_model_len=self.max_model_len,
+                                  tokens=token_ids)
+
+    async def detokenize(self, request: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        self.check_model(request.model)
+        self._check_token_ids(request.tokens, "tokens")
+        text = await asyncio.to_thread(self.tokenizer.decode, request.tokens)
+        return p.DetokenizeResponse(prompt=text)
+
+    # ---- prompts ----
+
+    async def _completion_prompts(self, prompt: str | list) -> list[PromptInput]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            if not all(texts):
+                raise bad_request("prompt must not be empty", "prompt")
+            token_lists = await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
+            prompts = [PromptInput(ids, text) for ids, text in zip(token_lists, texts)]
+        else:
+            token_lists = [prompt] if isinstance(prompt[0], int) else prompt
+            prompts = [PromptInput(list(ids), None) for ids in token_lists]
+        for prompt_input in prompts:
+            if not prompt_input.token_ids:
+                raise bad_request("prompt must not be empty", "prompt")
+            self._check_token_ids(prompt_input.token_ids, "prompt")
+        return prompts
+
+    async def _chat_prompt(self, messages: list[p.ChatMessage],
+                           add_generation_prompt: bool) -> PromptInput:
+        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in messages]
+
+        def render() -> tuple[str, list[int]]:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt)
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            text, token_ids = await asyncio.to_thread(render)
+        except ValueError as error:
+            raise bad_request(str(error), "messages") from None
+        if not token_ids:
+            raise bad_request("the rendered conversation is empty", "messages")
+        return PromptInput(token_ids, text)
+
+    def _check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise bad_request(
+                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param)
+
+    # ---- sampling parameters ----
+
+    def _check_common(self, request: p.GenerationRequest) -> None:
+        self.check_model(request.model)
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+
+    def _sampling_params(
+        self,
+        request: p.GenerationRequest,
+        prompt: PromptInput,
+        max_tokens: int | None,
+        *,
+        default_max_tokens: int | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        max_tokens_param: str = "max_tokens",
+        prompt_param: str = "prompt",
+    ) -> SamplingParams:
+        num_prompt_tokens = len(prompt.token_ids)
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {num_prompt_tokens} tokens and at least one must be generated.", prompt_param)
+        if max_tokens is None:
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        elif max_tokens > room:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                f"the prompt, {max_tokens} in the completion).", max_tokens_param)
+        if request.stop_token_ids:
+            self._check_token_ids(request.stop_token_ids, "stop_token_ids")
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=request.top_k or 0,
+                min_p=request.min_p or 0.0,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=(1.0 if request.repetition_penalty is None
+                                    else request.repetition_penalty),
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                logit_bias=self._logit_bias(request.logit_bias),
+            )
+        except ValueError as error:
+            # SamplingParams names the offending field first: "top_p must be in (0, 1], got 0".
+            name = str(error).split(" ", 1)[0]
+            param = max_tokens_param if name == "max_tokens" else name
+            raise bad_request(str(error), param if param in type(request).model_fields else None
+                              ) from None
+
+    def _logit_bias(self, logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not logit_bias:
+            return None
+        biases = {}
+        for key, bias in logit_bias.items():
+            # len() first: int() of a 10,000-digit string raises (and takes time).
+            if not (key.isascii() and key.isdigit() and len(key) <= 10
+                    and int(key) < self.vocab_size):
+                shown = key if len(key) <= 20 else key[:20] + "..."
+                raise bad_request(f"logit_bias key {shown!r} is not a token id in "
+                                  f"[0, {self.vocab_size})", "logit_bias")
+            biases[int(key)] = bias
+        return biases
+
+    # ---- running ----
+
+    async def _run(self, request: p.GenerationRequest, prompts: list[PromptInput],
+                   params: list[SamplingParams], fmt) -> BaseModel | EventStream:
+        base_id = f"{uuid.uuid4().hex}"
+        streams = [
+            self.async_llm.generate({"prompt_token_ids": prompt.token_ids}, prompt_params,
+                                    f"{base_id}-{index}", priority=request.priority,
+                                    cache_salt=request.cache_salt)
+            for index, (prompt, prompt_params) in enumerate(zip(prompts, params))
+        ]
+        generation = Generation(streams)
+        try:
+            await generation.start()
+        except (ValueError, EngineDrainingError, EngineDeadError) as error:
+            raise engine_error(error) from None
+        usage = _Usage([len(prompt.token_ids) for prompt in prompts])
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            events = self._stream(generation, fmt, usage, request.n, include_usage)
+            return EventStream(events, generation)
+        return await self._collect(generation, fmt, usage, request.n)
+
+    async def _collect(self, generation: Generation, fmt, usage: _Usage, n: int) -> BaseModel:
+        choices: dict[int, _Choice] = {}
+        last_outputs: dict[int, RequestOutput] = {}
+        try:
+            async for prompt_index, output in generation.outputs():
+                usage.add(prompt_index, output)
+                last_outputs[prompt_index] = output
+                for completion in output.outputs:
+                    index = prompt_index * n + completion.index
+                    choices.setdefault(index, _Choice()).add(completion)
+        except (EngineDrainingError, EngineDeadError) as error:
+            raise engine_error(error) from None
+        finally:
+            await generation.aclose()
+        final = [fmt.final_choice(index, index // n, choices[index], last_outputs[index // n])
+                 for index in sorted(choices)]
+        return fmt.response(final, usage.info())
+
+    async def _stream(self, generation: Generation, fmt, usage: _Usage, n: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        choices: dict[int, _Choice] = {}
+        try:
+            for chunk in fmt.initial_chunks():
+                yield _sse(chunk)
+            async for prompt_index, output in generation.outputs():
+                usage.add(prompt_index, output)
+                for completion in output.outputs:
+                    index = prompt_index * n + completion.index
+                    choice = choices.setdefault(index, _Choice())
+                    streamed = fmt.stream_choice(index, prompt_index, output, completion, choice)
+                    if streamed is not None:
+                        yield _sse(fmt.chunk([streamed]))
+            if include_usage:
+                yield _sse(fmt.chunk([], usage=usage.info()))
+        except (EngineDrainingError, EngineDeadError) as error:
+            yield _sse(engine_error(error).body())
+        finally:
+            await generation.aclose()
+        yield "data: [DONE]\n\n"
+
+    # ---- logprobs ----
+
+    def completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None],
+                            first_offset: int) -> p.CompletionLogProbs:
+        """Parallel lists; `positions[i]` is None for a prompt's first token (no logprob)."""
+        result = p.CompletionLogProbs()
+        offset = first_offset
+        for token_id, position in zip(token_ids, positions):
+            if position is None or token_id not in position:
+                token = self.tokenizer.decode_token(token_id)
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                token = position[token_id].decoded_token or ""
+                result.token_logprobs.append(_clamp(position[token_id].logprob))
+                result.top_logprobs.append({(lp.decoded_token or ""): _clamp(lp.logprob)
+                                            for lp in position.values()})
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+    def chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs],
+                      num_top: int) -> p.ChatLogProbs:
+        content = []
+        for token_id, position in zip(token_ids, positions):
+            chosen = position[token_id]
+            top = sorted((lp for lp in position.values() if lp.rank is not None
+                          and lp.rank <= num_top), key=lambda lp: lp.rank)[:num_top]
+            content.append(p.ChatLogProbsContent(
+                token=chosen.decoded_token or "", logprob=_clamp(chosen.logprob),
+                bytes=list((chosen.decoded_token or "").encode()),
+                top_logprobs=[p.ChatLogProb(token=lp.decoded_token or "",
+                                            logprob=_clamp(lp.logprob),
+                                            bytes=list((lp.decoded_token or "").encode()))
+                              for lp in top]))
+        return p.ChatLogProbs(content=content)
