@@ -101,9 +101,11 @@ class AsyncLLM:
             )
             self._consumers[request_id] = (loop, outputs)
 
-        await self._call(add)
         finished = False
         try:
+            # Inside the try: a caller cancelled while the add is in flight still aborts it
+            # (aborting an id the engine never saw is a no-op).
+            await self._call(add)
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
@@ -135,6 +137,8 @@ class AsyncLLM:
     async def shutdown(self, drain_timeout: float | None = None) -> None:
         """Refuse new requests, let running ones finish for up to drain_timeout seconds, abort
         the rest (their callers see finish_reason "abort"), then stop the engine thread."""
+        if self._stop:
+            return
         self.is_draining = True
         deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
         while self._num_unfinished and (deadline is None or time.monotonic() < deadline):

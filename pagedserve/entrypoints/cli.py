@@ -1,4 +1,4 @@
-"""The `pagedserve` command: generate, chat, bench.
+"""The `pagedserve` command: serve, generate, chat, bench.
 
 Environment variables and flags are read here and nowhere deeper: the engine gets configs.
 """
@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    from pagedserve.entrypoints.openai import api_server
+
+    api_server.add_cli_args(serve)
+    serve.set_defaults(func=api_server.run_server)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

@@ -54,9 +54,11 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def from_http_status(status_code: int) -> APIError:
     """For Starlette's own errors (unknown route, wrong method): the status phrase, no detail."""
-    phrase = HTTPStatus(status_code).phrase if status_code in HTTPStatus._value2member_map_ else ""
-    code = phrase.lower().replace(" ", "_") or None
-    return APIError(status_code, phrase or "error", code=code)
+    try:
+        phrase = HTTPStatus(status_code).phrase
+    except ValueError:
+        return APIError(status_code, "error")
+    return APIError(status_code, phrase, code=phrase.lower().replace(" ", "_"))
 
 
 def from_validation_error(error: ValidationError) -> APIError:

@@ -19,7 +19,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_PROMPTS = 64
-"""Most prompts in one completion request (each becomes its own engine request)."""
+"""Most prompts, and most prompts times n, in one completion request."""
 
 
 class RequestModel(BaseModel):
@@ -133,7 +133,8 @@ class ChatMessage(RequestModel):
     def _check_content_shape(cls, value: Any) -> Any:
         if value is None or isinstance(value, (str, list)):
             return value
-        raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts")
+        raise ValueError("content must be a string or a list of "
+                         "{'type': 'text', 'text': ...} parts")
 
     def text(self) -> str:
         if self.content is None:

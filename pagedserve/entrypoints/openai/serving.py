@@ -15,12 +15,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pydantic import BaseModel
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineDrainingError
 from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
+from pagedserve.entrypoints.openai.generation import EventStream, Generation
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -43,88 +45,6 @@ def engine_error(error: ValueError | EngineDrainingError | EngineDeadError) -> A
         return APIError(500, "the engine has failed; the server must be restarted",
                         code="engine_dead")
     return bad_request(str(error))
-
-
-class Generation:
-    """One HTTP request's engine streams (one per prompt), merged in the order outputs arrive.
-
-    `start()` waits for every stream's first output, so bad input (ValueError) surfaces before a
-    response starts. `aclose()` cancels what is still running: AsyncLLM aborts those requests.
-    """
-
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
-        self._streams = streams
-        self._pending: dict[asyncio.Task, int] = {}
-        """Task awaiting a stream's next output -> its prompt index."""
-        self._ready: list[tuple[int, RequestOutput]] = []
-
-    async def start(self) -> None:
-        firsts = [asyncio.create_task(_next_output(stream)) for stream in self._streams]
-        try:
-            outputs = await asyncio.gather(*firsts)
-        except BaseException:
-            for task in firsts:
-                task.cancel()
-            await asyncio.gather(*firsts, return_exceptions=True)
-            await self.aclose()
-            raise
-        for prompt_index, output in enumerate(outputs):
-            assert output is not None, "a generate() stream ended without a finished output"
-            self._ready.append((prompt_index, output))
-            if not output.finished:
-                self._await_next(prompt_index)
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, DELTA output) pairs; every prompt's last one has finished=True."""
-        ready, self._ready = self._ready, []
-        for item in ready:
-            yield item
-        while self._pending:
-            done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=self._pending.__getitem__):
-                prompt_index = self._pending.pop(task)
-                output = task.result()
-                assert output is not None, "a generate() stream ended without a finished output"
-                if not output.finished:
-                    self._await_next(prompt_index)
-                yield prompt_index, output
-
-    async def aclose(self) -> None:
-        pending = list(self._pending)
-        self._pending.clear()
-        for task in pending:
-            task.cancel()  # raises CancelledError inside generate(), which aborts the request
-        await asyncio.gather(*pending, return_exceptions=True)
-        for stream in self._streams:
-            await stream.aclose()
-
-    def _await_next(self, prompt_index: int) -> None:
-        task = asyncio.create_task(_next_output(self._streams[prompt_index]))
-        self._pending[task] = prompt_index
-
-
-async def _next_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
-    return await anext(stream, None)
-
-
-class EventStream:
-    """The SSE events (`data: ...` strings) of a started Generation.
-
-    The consumer must `aclose()` it, iterated or not: that aborts whatever still runs.
-    """
-
-    def __init__(self, events: AsyncIterator[str], generation: Generation) -> None:
-        self._events = events
-        self._generation = generation
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self._events
-
-    async def aclose(self) -> None:
-        try:
-            await self._events.aclose()
-        finally:
-            await self._generation.aclose()
 
 
 # ---- per-request bookkeeping ------------------------------------------------------------------
@@ -189,6 +109,24 @@ def _sse(payload: BaseModel | dict) -> str:
 
 
 # ---- the two formats --------------------------------------------------------------------------
+
+
+class _ResponseFormat(Protocol):
+    """What differs between completions and chat once outputs flow (see _run)."""
+
+    def initial_chunks(self) -> list[BaseModel]:
+        """Chunks streamed before any output (chat: one role delta per choice)."""
+
+    def stream_choice(self, index: int, prompt_index: int, output: RequestOutput,
+                      completion: CompletionOutput, choice: _Choice) -> BaseModel | None:
+        """The streamed choice for one sequence's delta; None when there is nothing to send."""
+
+    def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel: ...
+
+    def final_choice(self, index: int, prompt_index: int, choice: _Choice,
+                     prompt_output: RequestOutput) -> BaseModel: ...
+
+    def response(self, choices: list, usage: p.UsageInfo) -> BaseModel: ...
 
 
 class _CompletionFormat:
@@ -348,6 +286,9 @@ class OpenAIServing:
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of is not supported (use n)", "best_of")
         prompts = await self._completion_prompts(request.prompt)
+        if len(prompts) * request.n > p.MAX_PROMPTS:
+            raise bad_request(f"n ({request.n}) times the number of prompts ({len(prompts)}) "
+                              f"must be at most {p.MAX_PROMPTS}", "n")
         echo_logprobs = request.logprobs if request.echo else None
         params = [self._sampling_params(request, prompt, request.max_tokens, default_max_tokens=16,
                                         logprobs=request.logprobs, prompt_logprobs=echo_logprobs)
@@ -513,8 +454,9 @@ class OpenAIServing:
     # ---- running ----
 
     async def _run(self, request: p.GenerationRequest, prompts: list[PromptInput],
-                   params: list[SamplingParams], fmt) -> BaseModel | EventStream:
-        base_id = f"{uuid.uuid4().hex}"
+                   params: list[SamplingParams], fmt: _ResponseFormat) -> BaseModel | EventStream:
+        # Engine ids are ours alone: clients' request_id values may repeat.
+        base_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [
             self.async_llm.generate({"prompt_token_ids": prompt.token_ids}, prompt_params,
                                     f"{base_id}-{index}", priority=request.priority,
@@ -533,7 +475,8 @@ class OpenAIServing:
             return EventStream(events, generation)
         return await self._collect(generation, fmt, usage, request.n)
 
-    async def _collect(self, generation: Generation, fmt, usage: _Usage, n: int) -> BaseModel:
+    async def _collect(self, generation: Generation, fmt: _ResponseFormat, usage: _Usage,
+                       n: int) -> BaseModel:
         choices: dict[int, _Choice] = {}
         last_outputs: dict[int, RequestOutput] = {}
         try:
@@ -551,8 +494,8 @@ class OpenAIServing:
                  for index in sorted(choices)]
         return fmt.response(final, usage.info())
 
-    async def _stream(self, generation: Generation, fmt, usage: _Usage, n: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, generation: Generation, fmt: _ResponseFormat, usage: _Usage,
+                      n: int, include_usage: bool) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
         try:
             for chunk in fmt.initial_chunks():
@@ -562,7 +505,10 @@ class OpenAIServing:
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
                     choice = choices.setdefault(index, _Choice())
+                    if choice.finish_reason is not None:
+                        continue  # a finished sibling (n > 1), repeated with nothing new
                     streamed = fmt.stream_choice(index, prompt_index, output, completion, choice)
+                    choice.finish_reason = completion.finish_reason
                     if streamed is not None:
                         yield _sse(fmt.chunk([streamed]))
             if include_usage:

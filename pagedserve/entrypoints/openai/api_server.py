@@ -1,0 +1,501 @@
+"""The HTTP server: FastAPI routes over OpenAIServing, a gate in front of them (API key, drain,
+declared body size), responses that abort generation the moment the client disconnects, and the
+uvicorn runner whose first SIGTERM drains the engine before the process exits.
+
+`pagedserve serve` calls add_cli_args() and run_server(); `python -m` runs main().
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import prometheus_client
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import pagedserve
+from pagedserve.engine.arg_utils import EngineArgs, parse_size
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.entrypoints.openai import protocol as p
+from pagedserve.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    from_http_status,
+    from_validation_error,
+)
+from pagedserve.entrypoints.openai.generation import EventStream
+from pagedserve.entrypoints.openai.serving import OpenAIServing
+from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pagedserve.metrics import PrometheusStatLogger
+from pagedserve.models.loader import DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
+
+_UNAUTHENTICATED_PATHS = frozenset({"/health"})
+_CONNECTION_CLOSE_TIMEOUT = 5.0
+"""Seconds uvicorn waits for open connections after the engine has drained."""
+_MAX_DISCARDED_BODY_BYTES = 64 << 20
+"""An over-limit body is read and dropped up to this size (so the client sees the 413)."""
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = DEFAULT_MODEL
+    """The one name /v1/models lists and requests must use (or omit)."""
+    api_key: str | None = None
+    """If set, every route but /health needs `Authorization: Bearer <api_key>`."""
+    max_num_waiting: int = 512
+    """New generation requests get 503 while this many requests wait in the engine's queue."""
+    max_request_body_bytes: int = 8 << 20
+    shutdown_timeout: float = 30.0
+    """On SIGTERM, seconds running requests get to finish before the rest are aborted."""
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.max_num_waiting < 0:
+            raise ValueError(f"max_num_waiting must be >= 0, got {self.max_num_waiting}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be >= 1")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
+        return cls(
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name or args.model,
+            api_key=args.api_key,
+            max_num_waiting=args.max_num_waiting,
+            max_request_body_bytes=args.max_request_body_bytes,
+            shutdown_timeout=args.shutdown_timeout,
+            log_level=args.log_level,
+        )
+
+
+@dataclass
+class ServerState:
+    """What changes while the server runs. Tests may swap `config` on a live app."""
+
+    config: ServerConfig
+    draining: bool = False
+
+
+# ---- the gate: runs before routing ------------------------------------------------------------
+
+
+class _RequestGate:
+    """Rejects a request before any route runs: bad or missing API key (401), server draining
+    (503), declared body over the limit (413)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._check(scope)
+        if error is None:
+            await self.app(scope, receive, send)
+            return
+        if error.status_code == 413:
+            # NOTE: an HTTP/1.1 client sends the whole body before reading the response; closing
+            # on it would turn the 413 into a connection reset.
+            await _discard_body(receive)
+        headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else None
+        await error.response(headers)(scope, receive, send)
+
+    def _check(self, scope: Scope) -> APIError | None:
+        config, path = self.state.config, scope["path"]
+        if config.api_key is not None and path not in _UNAUTHENTICATED_PATHS:
+            error = _check_api_key(scope, config.api_key)
+            if error is not None:
+                return error
+        if self.state.draining and path not in ("/health", "/metrics"):
+            return APIError(503, "the server is shutting down", code="shutting_down")
+        content_length = _header(scope, b"content-length")
+        if content_length is not None:
+            if not content_length.isdigit():
+                return bad_request("invalid Content-Length header")
+            if int(content_length) > config.max_request_body_bytes:
+                return _body_too_large(config.max_request_body_bytes)
+        return None
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _check_api_key(scope: Scope, api_key: str) -> APIError | None:
+    authorization = _header(scope, b"authorization")
+    if authorization is None:
+        return APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
+                        code="invalid_api_key")
+    scheme, _, token = authorization.partition(" ")
+    # compare_digest takes time independent of where the strings differ.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode("latin-1"), api_key.encode("utf-8")):
+        return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return None
+
+
+def _body_too_large(limit: int) -> APIError:
+    return APIError(413, f"request body is larger than the server's limit of {limit} bytes",
+                    code="request_too_large")
+
+
+async def _discard_body(receive: Receive) -> None:
+    num_bytes = 0
+    while num_bytes <= _MAX_DISCARDED_BODY_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        num_bytes += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+# ---- disconnects ------------------------------------------------------------------------------
+
+
+class _Disconnected:
+    """Returned by _until_disconnect when the client left first."""
+
+
+_DISCONNECTED = _Disconnected()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    # The body has been read, so the next message the server sends is http.disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(receive: Receive, awaitable: Awaitable[Any]) -> Any:
+    """Await `awaitable`, unless the client disconnects first: then cancel it (which aborts its
+    engine requests at once) and return _DISCONNECTED."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.create_task(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        work_was_done = work.done()
+        if not work_was_done:
+            work.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+    if not work_was_done:
+        return _DISCONNECTED
+    return work.result()
+
+
+class _EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop (and abort the engine requests) as soon as the client
+    disconnects, and always close their EventStream."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: EventStream) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache"})
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await _until_disconnect(receive, self.stream_response(send))
+        except OSError:
+            pass  # the client went away in the middle of a send
+        finally:
+            await self.events.aclose()
+
+
+# ---- the app ----------------------------------------------------------------------------------
+
+
+def build_app(
+    async_llm: AsyncLLM,
+    args: ServerConfig | argparse.Namespace,
+    stat_logger: PrometheusStatLogger | None = None,
+) -> FastAPI:
+    """The OpenAI-compatible app over `async_llm` (which the caller owns and shuts down).
+
+    `stat_logger`: whose registry /metrics serves; default, the PrometheusStatLogger among
+    `async_llm.stat_loggers`, else prometheus_client's global registry.
+    """
+    config = args if isinstance(args, ServerConfig) else ServerConfig.from_cli_args(args)
+    if stat_logger is None:
+        stat_logger = next((s for s in async_llm.stat_loggers
+                            if isinstance(s, PrometheusStatLogger)), None)
+    serving = OpenAIServing(async_llm, config.served_model_name)
+    state = ServerState(config)
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__)
+    app.state.server = state
+    app.add_middleware(_RequestGate, state=state)
+    _add_exception_handlers(app)
+
+    async def read_request(raw_request: Request, model: type[RequestT]) -> RequestT:
+        data = await _read_json(raw_request, state.config.max_request_body_bytes)
+        try:
+            return model.model_validate(data)
+        except ValidationError as error:
+            raise from_validation_error(error) from None
+
+    def check_capacity() -> None:
+        num_waiting = async_llm.num_waiting_requests()
+        if num_waiting >= state.config.max_num_waiting:
+            raise APIError(503, f"the server is overloaded ({num_waiting} requests waiting); "
+                           "retry later", code="overloaded")
+
+    async def respond(raw_request: Request, work: Awaitable[BaseModel | EventStream]) -> Response:
+        result = await _until_disconnect(raw_request.receive, work)
+        if result is _DISCONNECTED:
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed"
+        if isinstance(result, EventStream):
+            return _EventStreamResponse(result)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_llm.errored:
+            raise APIError(500, "the engine has failed", code="engine_dead")
+        if state.draining or async_llm.is_draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if stat_logger is not None:
+            return Response(stat_logger.render(), media_type=METRICS_CONTENT_TYPE)
+        return Response(prometheus_client.generate_latest(),
+                        media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return Response(serving.models().model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        serving.check_model(model_id)
+        return Response(serving.model_card().model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def create_completion(raw_request: Request) -> Response:
+        check_capacity()
+        request = await read_request(raw_request, p.CompletionRequest)
+        return await respond(raw_request, serving.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw_request: Request) -> Response:
+        check_capacity()
+        request = await read_request(raw_request, p.ChatCompletionRequest)
+        return await respond(raw_request, serving.create_chat_completion(request))
+
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request) -> Response:
+        request = await read_request(raw_request, p.TokenizeRequest)
+        return await respond(raw_request, serving.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request) -> Response:
+        request = await read_request(raw_request, p.DetokenizeRequest)
+        return await respond(raw_request, serving.detokenize(request))
+
+    return app
+
+
+async def _read_json(raw_request: Request, max_num_bytes: int) -> dict:
+    """The body as a JSON object; the limit also holds for bodies without a Content-Length."""
+    body = bytearray()
+    num_bytes = 0
+    try:
+        async for chunk in raw_request.stream():
+            num_bytes += len(chunk)
+            if num_bytes > max_num_bytes:
+                if num_bytes > _MAX_DISCARDED_BODY_BYTES:
+                    break
+                continue  # keep reading (and dropping) so that the client gets the 413
+            body += chunk
+    except ClientDisconnect:
+        raise bad_request("the client disconnected while sending the body") from None
+    if num_bytes > max_num_bytes:
+        raise _body_too_large(max_num_bytes)
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise bad_request("the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    return data
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return from_http_status(error.status_code).response(error.headers)
+
+    async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        return bad_request(f"{'.'.join(loc)}: {first.get('msg', 'invalid request')}",
+                           loc[0] if loc else None).response()
+
+    async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s", request.url.path)
+        return APIError(500, "internal server error", code="internal_error").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_unexpected_error)
+
+
+# ---- running ----------------------------------------------------------------------------------
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that the first SIGTERM/SIGINT runs `drain` and only then exits
+    (the listener stays open meanwhile, so new requests get a 503, not a refused connection).
+    A second signal exits at once, without waiting for open connections."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._drain_requested = False
+        self._drain_task: asyncio.Task | None = None  # a reference keeps the task alive
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # NOTE: this runs inside a signal handler, between two bytecodes of the loop's thread.
+        if self._loop is None or not self.started:
+            super().handle_exit(sig, frame)  # still starting: uvicorn's own behaviour
+        elif self._drain_requested:
+            self.should_exit = self.force_exit = True
+        else:
+            self._drain_requested = True
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain()
+        finally:
+            self.should_exit = True
+
+
+async def serve_app(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> bool:
+    """Serve until SIGTERM/SIGINT, drain the engine, then stop it. Returns False if a second
+    signal cut the drain short."""
+    state: ServerState = app.state.server
+    drained = False
+
+    async def drain() -> None:
+        nonlocal drained
+        state.draining = True
+        logger.info("shutting down: %d requests get up to %.0f s to finish",
+                    async_llm.num_unfinished_requests(), config.shutdown_timeout)
+        await async_llm.shutdown(drain_timeout=config.shutdown_timeout)
+        drained = True
+
+    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port,
+                                    log_level=config.log_level,
+                                    timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT)
+    server = _DrainingServer(uvicorn_config, drain)
+    try:
+        await server.serve()
+    finally:
+        if not drained:
+            # Forced exit (or a failed start): abort everything and stop the engine thread.
+            state.draining = True
+            await async_llm.shutdown(drain_timeout=0)
+    return not server.force_exit
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the engine named by `args` and serve it; returns the exit code."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig.from_cli_args(args)
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    stat_logger = PrometheusStatLogger(config.served_model_name,
+                                       max_model_len=engine.config.scheduler.max_model_len)
+    async_llm = AsyncLLM(engine, [stat_logger])
+    app = build_app(async_llm, config, stat_logger)
+    clean = asyncio.run(serve_app(app, async_llm, config))
+    return 0 if clean else 1
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """`[MODEL]`, the engine's flags, and the server's."""
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help=f"a short model name, GGUF file or HF directory ({DEFAULT_MODEL})")
+    EngineArgs.add_cli_args(parser, with_model=False)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default=ServerConfig.host)
+    group.add_argument("--port", type=int, default=ServerConfig.port)
+    group.add_argument("--served-model-name", default=None,
+                       help="the model name clients use (default: MODEL as given)")
+    group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                            "(default: $PAGEDSERVE_API_KEY)")
+    group.add_argument("--max-num-waiting", type=int, default=ServerConfig.max_num_waiting,
+                       help="answer 503 while this many requests wait for the engine")
+    group.add_argument("--max-request-body-bytes", type=parse_size,
+                       default=ServerConfig.max_request_body_bytes, help="e.g. 8MiB; larger: 413")
+    group.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
+                       help="seconds running requests get to finish after SIGTERM")
+    group.add_argument("--log-level", default=ServerConfig.log_level,
+                       choices=["critical", "error", "warning", "info", "debug"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve serve",
+                                     description="An OpenAI-compatible HTTP server.")
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_server(args)
+    except ValueError as error:
+        print(f"pagedserve serve: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

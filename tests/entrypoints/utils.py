@@ -1,0 +1,45 @@
+"""Constants and helpers shared by the entrypoint tests and their conftest."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+
+API_KEY = "test-key"
+MODEL_NAME = "smollm2-135m"
+MAX_MODEL_LEN = 2048
+MAX_BODY_BYTES = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    base_url: str
+    """http://127.0.0.1:PORT (the OpenAI client's base_url is base_url + "/v1")."""
+    app: object
+    async_llm: object
+    stat_logger: object
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=API_KEY, **kwargs)
+
+    def async_openai(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=API_KEY, **kwargs)
+
+    def wait_until_idle(self, timeout: float = 10.0) -> None:
+        """Wait for the engine to hold no request, then check that every block is free."""
+        deadline = time.monotonic() + timeout
+        while self.async_llm.num_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.async_llm.num_unfinished_requests() == 0, "requests still in the engine"
+        self.async_llm.check_idle()
