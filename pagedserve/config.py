@@ -109,6 +109,9 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
 
 
+QUANTIZATION_MODES = ("auto", "none")
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"
@@ -119,10 +122,65 @@ class DeviceConfig:
     """torch intra-op threads on the CPU; None leaves torch's default."""
     seed: int = 0
     """Seed for the engine's unseeded sampling stream."""
+    quantization: str = "none"
+    """"auto": keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights packed and run them with the int4
+    CPU kernel (only for bfloat16 on the CPU; otherwise dense); "none": dequantize everything."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
+                f"got {self.quantization!r}"
+            )
+
+    @property
+    def keeps_weights_packed(self) -> bool:
+        return self.quantization == "auto" and self.dtype == "bfloat16" and self.device == "cpu"
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's key names: propose tokens cheaply, verify them all in one
+    target forward pass, keep the ones the rejection sampler accepts (the output distribution is
+    unchanged)."""
+
+    method: str = "ngram"
+    """The proposer: "ngram" (prompt lookup)."""
+    num_speculative_tokens: int = 4
+    """Draft tokens proposed per request per step (capped by max_tokens and max_model_len)."""
+    prompt_lookup_max: int = 4
+    """n-gram: the longest suffix of the context to look up earlier in the context."""
+    prompt_lookup_min: int = 1
+    """n-gram: the shortest suffix worth a lookup."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SpeculativeConfig:
+        """From vLLM-style keys; unknown keys are a ValueError (a typo must not pass silently)."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -134,3 +192,5 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig | None = None
+    """None: no speculative decoding."""

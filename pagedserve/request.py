@@ -73,6 +73,9 @@ class Request:
     """The stop token id or stop string that finished the request, if any."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Hash of each full block of `all_token_ids`, chained; maintained by the KV cache manager."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens proposed after the last step, to verify in the next one. Not part of
+    `all_token_ids` (they may be rejected), so never hashed into the prefix cache."""
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)
@@ -85,6 +88,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

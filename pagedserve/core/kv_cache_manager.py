@@ -75,9 +75,11 @@ class KVCacheManager:
 
         new_computed_blocks: cache hits from `get_computed_blocks` (admission only).
         ```
-        | computed | prefix-cache hit | new (this step) |
-        |<- has blocks ->|<- touched ->|<- new blocks -->|
+        | computed | prefix-cache hit | new (this step)               |
+        |<- has blocks ->|<- touched ->|<- new blocks ---------------->|
+                                       | known tokens | draft tokens   |
         ```
+        Only blocks full of known tokens enter the prefix-cache index.
         """
         assert num_new_tokens > 0
         hits = new_computed_blocks or []
@@ -105,6 +107,8 @@ class KVCacheManager:
             # writes every token's KV before any attention reads, so a request scheduled later
             # in this same step may already hit them.
             num_cached = max(self.num_cached_blocks.get(request.request_id, 0), len(hits))
+            # NOTE: only tokens whose ids are final: scheduled draft tokens (past num_tokens) may
+            # be rejected, and a block indexed with them would serve wrong KV to later hits.
             num_full = min(num_total_tokens, request.num_tokens) // self.block_size
             extend_block_hashes(
                 request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt

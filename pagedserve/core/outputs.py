@@ -44,6 +44,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     """Requests finished or preempted since the last step: the runner drops their state."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> the draft tokens to verify this step (only requests that have some). They are
+    the last len(drafts) of the request's scheduled tokens: the query is [last token, *drafts]."""
 
     @property
     def is_empty(self) -> bool:
@@ -68,10 +71,13 @@ no logprob; a request recomputed after preemption may resend positions already s
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    """Only requests whose prompt is fully computed sample; mid-prefill chunks are absent."""
+    """Only requests whose prompt is fully computed sample; mid-prefill chunks are absent. A
+    request that verified drafts gets its accepted drafts plus one corrected or bonus token."""
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     """Logprobs of the prompt tokens computed this step."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> draft tokens proposed for the next step (the scheduler caps them)."""
 
 
 @dataclass

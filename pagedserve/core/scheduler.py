@@ -5,6 +5,9 @@ min(num_tokens - num_computed_tokens, budget left) tokens. Prefill chunks, prefi
 decodes are the same arithmetic. Running requests go first (decodes and unfinished prompt chunks),
 then waiting requests fill what is left. When blocks run out, the lowest-priority running request
 is preempted: its blocks are freed and it is recomputed later.
+
+Speculative decoding is the same arithmetic: a request's draft tokens (`spec_token_ids`) count as
+tokens to compute, and `update_from_output` moves `num_computed_tokens` back over the rejected ones.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
@@ -27,6 +30,50 @@ from pagedserve.request import Request, RequestStatus
 
 
 @dataclass
+class SpecDecodingStats:
+    """Counters since start. A "draft" is one request's run of draft tokens verified in a step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    """[i]: drafts that had a token at position i (0-based, after the last accepted token)."""
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    """[i]: drafts whose token at position i was accepted (so were all before it)."""
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        assert 0 <= num_accepted_tokens <= num_draft_tokens
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for counts, num in ((self.num_draft_tokens_per_pos, num_draft_tokens),
+                            (self.num_accepted_tokens_per_pos, num_accepted_tokens)):
+            counts.extend([0] * (num_draft_tokens - len(counts)))
+            for pos in range(num):
+                counts[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return [accepted / drafted for accepted, drafted
+                in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens gained per verifying step: the accepted drafts plus the one sampled token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+            list(self.num_draft_tokens_per_pos), list(self.num_accepted_tokens_per_pos),
+        )
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int
     num_waiting_reqs: int
@@ -36,6 +83,8 @@ class SchedulerStats:
     num_preemptions: int
     num_prompt_tokens_computed: int
     num_generation_tokens: int
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    """Counters of speculative decoding (all zero when it is off)."""
 
 
 class Scheduler:
@@ -57,6 +106,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
+        self.spec_decoding_stats = SpecDecodingStats()
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -185,12 +235,22 @@ class Scheduler:
             cached_reqs.new_block_ids.append(block_ids)
             cached_reqs.num_computed_tokens.append(self.requests[req_id].num_computed_tokens)
 
+        # Draft tokens are the tail of what is scheduled; the budget may have cut some off.
+        #  | computed | known tokens not computed | drafts scheduled | drafts cut off |
+        spec_decode_tokens: dict[str, list[int]] = {}
+        for req_id, num_tokens in num_scheduled.items():
+            request = self.requests[req_id]
+            num_spec = request.num_computed_tokens + num_tokens - request.num_tokens
+            if num_spec > 0:
+                spec_decode_tokens[req_id] = request.spec_token_ids[:num_spec]
+
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
+            scheduled_spec_decode_tokens=spec_decode_tokens,
         )
         self._finished_req_ids = set()
         # Progress is advanced now, at scheduling: the next schedule() may run before this
@@ -209,7 +269,7 @@ class Scheduler:
         return (request.priority, request.arrival_time, request.admission_order)
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - request.num_computed_tokens
+        num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
         if self.config.long_prefill_token_threshold:
             num_new_tokens = min(num_new_tokens, self.config.long_prefill_token_threshold)
         return min(num_new_tokens, token_budget)
@@ -218,6 +278,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # proposed again once it samples after recomputation
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._finished_req_ids.add(request.request_id)
@@ -236,6 +297,15 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
             new_logprobs = runner_output.logprobs.get(req_id)
+            scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if scheduled_spec:
+                # KV was computed for every draft; the slots of rejected ones are overwritten
+                # later. Their blocks stay with the request but were never hashed (drafts are
+                # not in all_token_ids), so no other request can hit their stale KV.
+                assert new_token_ids, f"{req_id} verified drafts but sampled nothing"
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= len(scheduled_spec) - num_accepted
+                self.spec_decoding_stats.observe(len(scheduled_spec), num_accepted)
             stopped = False
             for num_accepted, token_id in enumerate(new_token_ids, start=1):
                 request.append_output_token_ids([token_id])
@@ -245,6 +315,10 @@ class Scheduler:
                     if new_logprobs is not None:
                         new_logprobs = new_logprobs[:num_accepted]
                     break
+            if not stopped:
+                request.spec_token_ids = self._cap_spec_tokens(
+                    request, runner_output.spec_token_ids.get(req_id, [])
+                )
             if new_token_ids:
                 self.num_generation_tokens += len(new_token_ids)
                 if request.times.first_token is None:
@@ -268,6 +342,17 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _cap_spec_tokens(self, request: Request, spec_token_ids: list[int]) -> list[int]:
+        """Keep only drafts that could all be accepted: verifying k drafts yields up to k + 1
+        tokens, which must fit in max_tokens and max_model_len."""
+        if not spec_token_ids:
+            return []
+        max_num_spec = min(
+            request.max_tokens - request.num_output_tokens,
+            self.config.max_model_len - request.num_tokens,
+        ) - 1
+        return spec_token_ids[: max(max_num_spec, 0)]
 
     def finish_requests(
         self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None
@@ -312,6 +397,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generation_tokens=self.num_generation_tokens,
+            spec_decoding=self.spec_decoding_stats.copy(),
         )
 
     def check_integrity(self) -> None:
@@ -326,6 +412,19 @@ class Scheduler:
         for request in self.running:
             if request.status != RequestStatus.RUNNING:
                 raise RuntimeError(f"{request.request_id} is running with status {request.status}")
+            if request.num_computed_tokens > request.num_tokens_with_spec:
+                raise RuntimeError(
+                    f"{request.request_id} computed {request.num_computed_tokens} tokens of "
+                    f"{request.num_tokens} + {len(request.spec_token_ids)} drafts"
+                )
+            if request.num_tokens_with_spec >= self.config.max_model_len:
+                raise RuntimeError(f"{request.request_id} has drafts past max_model_len")
+            num_indexed = self.kv_cache_manager.num_cached_blocks.get(request.request_id, 0)
+            if num_indexed > request.num_tokens // self.block_size:
+                raise RuntimeError(
+                    f"{request.request_id} has {num_indexed} blocks in the prefix-cache index but "
+                    f"only {request.num_tokens} final tokens (draft tokens must not be indexed)"
+                )
             num_blocks = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, []))
             if num_blocks < cdiv(request.num_computed_tokens, self.block_size):
                 raise RuntimeError(

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 
 from pagedserve.config import (
+    QUANTIZATION_MODES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from pagedserve.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
 
@@ -27,6 +30,20 @@ def parse_size(value: int | str) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"cannot read a size from {value!r} (examples: 512MiB, 2GiB)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_speculative_config(value: dict | str | None) -> SpeculativeConfig | None:
+    """None, a dict of vLLM's keys, or the same as a JSON string (the CLI form)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {value!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a dict or JSON object, got {value!r}")
+    return SpeculativeConfig.from_dict(value)
 
 
 @dataclass
@@ -52,6 +69,12 @@ class EngineArgs:
     """torch threads on the CPU (default: torch's choice)."""
     seed: int = 0
     """Seed of the engine's random stream (requests with their own seed use theirs)."""
+    quantization: str = "none"
+    """auto: run GGUF Q4_0/Q4_1/Q4_K/Q8_0 weights packed (int4 kernel, bf16 on the CPU only);
+    none: dequantize every weight to the compute dtype."""
+    speculative_config: dict | str | None = None
+    """Speculative decoding, vLLM's keys, as a dict or JSON: e.g. {"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}."""
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model)
@@ -82,8 +105,10 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             device=DeviceConfig(
-                device=self.device, dtype=self.dtype, num_threads=self.num_threads, seed=self.seed
+                device=self.device, dtype=self.dtype, num_threads=self.num_threads, seed=self.seed,
+                quantization=self.quantization,
             ),
+            speculative=parse_speculative_config(self.speculative_config),
         )
 
     @classmethod
@@ -96,6 +121,12 @@ class EngineArgs:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads"):
                 parser.add_argument(flag, type=int, default=f.default)
+            elif f.name == "speculative_config":
+                parser.add_argument(flag, type=str, default=None,
+                                    help='JSON, e.g. {"method": "ngram", '
+                                         '"num_speculative_tokens": 4}')
+            elif f.name == "quantization":
+                parser.add_argument(flag, choices=QUANTIZATION_MODES, default=f.default)
             elif f.name == "kv_cache_memory":
                 parser.add_argument(flag, type=str, default=f.default, help="e.g. 512MiB, 4GiB")
             else:

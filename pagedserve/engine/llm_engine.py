@@ -38,7 +38,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer or Tokenizer.from_path(config.model_path)
         self.model_runner = ModelRunner(
-            config.model_path, config.model, config.cache, config.device, model=model
+            config.model_path, config.model, config.cache, config.device, model=model,
+            speculative_config=config.speculative,
         )
         self.scheduler = Scheduler(
             config.scheduler, config.cache, num_blocks=self.model_runner.num_kv_blocks

@@ -3,6 +3,10 @@
 A merged layer (QKV, gate-up) holds several HF weights side by side along the output dimension;
 `weight_loader(param, loaded_weight, shard_id)` copies one of them into its slice. Tensor
 parallelism later narrows these slices per rank here, not in the models.
+
+A shard may also arrive as a GGUFQuantWeight (GGUF codes kept packed, see quantized.py): it is set
+aside on the parameter, and `process_weights_after_loading` packs the whole layer for the int4
+kernel when every shard is packable, else dequantizes into the dense weight (the slow reference).
 """
 
 from __future__ import annotations
@@ -11,11 +15,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.layers.quantized import GGUFQuantWeight, Int4PackedWeight, concat_rows
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+
+def default_weight_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor | GGUFQuantWeight, shard_id=None
+) -> None:
+    if isinstance(loaded_weight, GGUFQuantWeight):
+        if not hasattr(param, "pending_quant"):
+            param.pending_quant = {}
+        param.pending_quant[shard_id] = loaded_weight  # sized: checked when it is used
+        return
     if param.shape != loaded_weight.shape:
         raise ValueError(f"weight shape {tuple(loaded_weight.shape)} != {tuple(param.shape)}")
     param.data.copy_(loaded_weight)
+
+
+def take_pending_quant(param: nn.Parameter) -> dict:
+    """The GGUFQuantWeight shards set aside on `param` by the weight loaders (and forget them)."""
+    pending = getattr(param, "pending_quant", {})
+    if pending:
+        del param.pending_quant
+    return pending
+
+
+def _check_shape(weight: GGUFQuantWeight, expected: torch.Size) -> None:
+    if weight.shape != expected:
+        raise ValueError(f"weight shape {tuple(weight.shape)} != {tuple(expected)}")
 
 
 class Linear(nn.Module):
@@ -23,9 +49,35 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.packed: Int4PackedWeight | None = None
+        """Set (and `weight` dropped) when the layer runs on GGUF codes."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.packed(x)
+        return y if self.bias is None else y + self.bias
+
+    def _shard_slices(self) -> dict:
+        """shard id -> the rows of `weight` it fills."""
+        return {None: self.weight.data}
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        """Pack quantized shards for the int4 kernel (bf16 only), or dequantize them in place."""
+        pending = take_pending_quant(self.weight)
+        if not pending:
+            return
+        slices = self._shard_slices()
+        for shard_id, weight in pending.items():
+            _check_shape(weight, slices[shard_id].shape)
+        if dtype == torch.bfloat16 and pending.keys() == slices.keys():
+            merged = concat_rows([pending[shard_id] for shard_id in slices])
+            if merged is not None:
+                self.packed = Int4PackedWeight(merged, dtype)
+                self.weight = None
+                return
+        for shard_id, weight in pending.items():  # mixed types or not bf16: the dense path
+            slices[shard_id].copy_(weight.dequantize())
 
 
 class MergedLinear(Linear):
@@ -43,10 +95,65 @@ class MergedLinear(Linear):
         self.output_sizes = list(output_sizes.values())
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFQuantWeight,
+        shard_id: str | int,
     ) -> None:
+        if isinstance(loaded_weight, GGUFQuantWeight):
+            default_weight_loader(param, loaded_weight, shard_id)
+            return
         offset, size = self.shard_offsets[shard_id]
         default_weight_loader(param.data.narrow(0, offset, size), loaded_weight)
 
+    def _shard_slices(self) -> dict:
+        return {
+            shard_id: self.weight.data.narrow(0, offset, size)
+            for shard_id, (offset, size) in self.shard_offsets.items()
+        }
+
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.forward(x).split(self.output_sizes, dim=-1)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding [vocab, hidden]; with `serves_as_head` also the tied output projection.
+
+    Loaded from GGUF codes it keeps them: a lookup dequantizes only the rows it gathers, and the
+    tied head multiplies by an int4-packed copy (bf16) instead of a dense bf16 matrix.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, serves_as_head: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim), requires_grad=False
+        )
+        self.serves_as_head = serves_as_head
+        self.quant: GGUFQuantWeight | None = None
+        """Codes with fp32 scales (a plain attribute: `module.to(dtype)` must not round them)."""
+        self.packed_head: Int4PackedWeight | None = None
+        self.dtype: torch.dtype | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(input_ids, self.weight)
+        rows = self.quant.dequantize(input_ids.reshape(-1))
+        return rows.to(self.dtype).view(*input_ids.shape, -1)
+
+    def as_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) in the compute dtype."""
+        if self.packed_head is not None:
+            return self.packed_head(hidden_states)
+        return F.linear(hidden_states, self.weight)
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        pending = take_pending_quant(self.weight)
+        if not pending:
+            return
+        weight = pending[None]
+        _check_shape(weight, self.weight.shape)
+        if dtype != torch.bfloat16:
+            self.weight.data.copy_(weight.dequantize())
+            return
+        self.quant, self.dtype = weight, dtype
+        if self.serves_as_head:
+            self.packed_head = Int4PackedWeight(weight, dtype)
+        self.weight = None

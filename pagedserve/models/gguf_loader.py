@@ -16,6 +16,7 @@ import gguf
 import torch
 
 from pagedserve.config import ModelConfig
+from pagedserve.layers.quantized import PACKABLE_TYPES, GGUFQuantWeight, decode_gguf_blocks
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
 
@@ -43,19 +44,32 @@ def load_gguf_config(path: str) -> ModelConfig:
     return _read_config(gguf.GGUFReader(path), path)
 
 
-def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, dequantized tensor of `dtype`) one at a time; matrices are [out, in]."""
+def iter_gguf_weights(
+    path: str, dtype: torch.dtype, keep_packed: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFQuantWeight]]:
+    """Yield (HF name, dequantized tensor of `dtype`) one at a time; matrices are [out, in].
+
+    keep_packed: yield Q4_0 / Q4_1 / Q4_K / Q8_0 matrices as GGUFQuantWeight (codes with fp32
+    scales and mins, exactly the values dequantization would give); other types stay dense.
+    """
     reader = gguf.GGUFReader(path)
     config = _read_config(reader, path)
     for tensor in reader.tensors:
         hf_name = _hf_tensor_name(tensor.name, path)
-        # NOTE: GGUF lists dims innermost first; dequantize returns numpy (row-major) order.
-        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        assert weight.shape == tuple(reversed(tensor.shape.tolist())), (tensor.name, weight.shape)
+        shape = tuple(reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+        if keep_packed and tensor.tensor_type in PACKABLE_TYPES and len(shape) == 2:
+            weight = decode_gguf_blocks(tensor.data, tensor.tensor_type, shape)
+        else:
+            # NOTE: dequantize returns numpy (row-major) order.
+            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert tuple(weight.shape) == shape, (tensor.name, weight.shape)
         if config.architecture == "llama" and ".q_proj." in hf_name:
             weight = _unpermute_rope_rows(weight, config.num_attention_heads)
         elif config.architecture == "llama" and ".k_proj." in hf_name:
             weight = _unpermute_rope_rows(weight, config.num_key_value_heads)
+        if isinstance(weight, GGUFQuantWeight):
+            yield hf_name, weight
+            continue
         if not weight.flags.writeable:  # F32 tensors come back as views of the read-only mmap
             weight = weight.copy()
         yield hf_name, torch.from_numpy(weight).to(dtype)
@@ -141,5 +155,8 @@ def _unpermute_rope_rows(weight, num_heads: int):
     Viewing them as (head, hd/2, 2) and swapping the last two axes puts the halves back.
     """
     head_dim = weight.shape[0] // num_heads
+    if isinstance(weight, GGUFQuantWeight):  # rows carry their codes, scales and mins along
+        order = _unpermute_rope_rows(torch.arange(weight.shape[0]), num_heads)
+        return weight.select_rows(order)
     interleaved = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
     return interleaved.swapaxes(1, 2).reshape(weight.shape)

@@ -14,7 +14,7 @@ from torch import nn
 from pagedserve.attention.layer import Attention
 from pagedserve.config import ModelConfig
 from pagedserve.layers.activation import silu_and_mul
-from pagedserve.layers.linear import Linear, MergedLinear, default_weight_loader
+from pagedserve.layers.linear import Linear, MergedLinear, VocabEmbedding, default_weight_loader
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 
@@ -79,8 +79,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, serves_as_head=config.tie_word_embeddings
+        )
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, dtype
         )
@@ -120,8 +121,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) fp32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden_states, weight).float()
+        head = self.model.embed_tokens.as_head if self.lm_head is None else self.lm_head
+        return head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named weights; every parameter must be filled exactly once."""

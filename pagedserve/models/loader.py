@@ -21,6 +21,7 @@ from importlib.util import find_spec
 import torch
 
 from pagedserve.config import ModelConfig
+from pagedserve.layers.quantized import GGUFQuantWeight
 from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -134,10 +135,15 @@ def _load_model_config_cached(path: str, mtime: float) -> ModelConfig:
     return _load_hf_config(path) if _is_hf_dir(path) else load_gguf_config(path)
 
 
-def iter_model_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, tensor of `dtype`) one at a time; no lm_head.weight when tied."""
+def iter_model_weights(
+    path: str, dtype: torch.dtype, keep_packed: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFQuantWeight]]:
+    """Yield (HF parameter name, tensor of `dtype`) one at a time; no lm_head.weight when tied.
+
+    keep_packed: GGUF matrices of the types the int4 path supports come as GGUFQuantWeight.
+    """
     if not _is_hf_dir(path):
-        yield from iter_gguf_weights(path, dtype)
+        yield from iter_gguf_weights(path, dtype, keep_packed)
         return
     tie_word_embeddings = _load_hf_config(path).tie_word_embeddings
     files = sorted(glob(os.path.join(path, "*.safetensors")))

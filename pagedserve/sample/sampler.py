@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.sampling_params import SAMPLING_EPS, SamplingParams, SamplingType
@@ -255,6 +256,25 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if greedy_token_ids is None:
         return random_token_ids
     return torch.where(metadata.temperature < SAMPLING_EPS, greedy_token_ids, random_token_ids)
+
+
+def compute_target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """(B, V) float32: the distribution each row of `logits` (B, V) is sampled from after all of
+    its request's processing; greedy rows are a point mass on their argmax. Draws the same tokens
+    as `Sampler` in distribution; the rejection sampler verifies drafts against it. Never writes
+    to `logits`."""
+    logits = apply_logits_processors(logits.float(), metadata)
+    vocab_size = logits.shape[1]
+    greedy_probs = None
+    if not metadata.all_random:
+        greedy_probs = F.one_hot(logits.argmax(dim=-1), vocab_size).float()  # (B, V)
+    if metadata.all_greedy:
+        return greedy_probs
+    probs = apply_sampling_transforms(logits, metadata).softmax(dim=-1)      # (B, V)
+    if greedy_probs is None:
+        return probs
+    is_greedy = (metadata.temperature < SAMPLING_EPS).unsqueeze(1)           # (B, 1)
+    return torch.where(is_greedy, greedy_probs, probs)
 
 
 def apply_sampling_transforms(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.attention import AttentionMetadata, forward_context
-from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig
+from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedserve.models import get_model_class
 from pagedserve.models.loader import iter_model_weights
-from pagedserve.sample.sampler import Sampler, SamplingMetadata
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sample.rejection_sampler import RejectionSampler
+from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
+from pagedserve.sampling_params import SamplingParams, SamplingType
+from pagedserve.spec_decode import create_proposer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,11 +38,19 @@ class CachedRequestState:
 
 
 def load_model(
-    model_path: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_path: str,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_packed: bool = False,
 ) -> torch.nn.Module:
+    """keep_packed: run GGUF 4/8-bit weights on their codes (bf16 on the CPU; see quantized.py)."""
     with torch.device(device):
         model = get_model_class(model_config.architecture)(model_config, dtype)
-    model.load_weights(iter_model_weights(model_path, dtype))
+    model.load_weights(iter_model_weights(model_path, dtype, keep_packed))
+    for module in model.modules():  # pack what arrived packed, or dequantize it
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading(dtype)
     return model.to(dtype).eval()
 
 
@@ -57,8 +67,10 @@ class ModelRunner:
         cache_config: CacheConfig,
         device_config: DeviceConfig,
         model: torch.nn.Module | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
-        """model: an already loaded model to share (it holds no per-engine state)."""
+        """model: an already loaded model to share (it holds no per-engine state).
+        speculative_config: propose draft tokens after each step (None: no speculation)."""
         self.model_config = model_config
         self.block_size = cache_config.block_size
         self.device = torch.device(device_config.device)
@@ -68,7 +80,9 @@ class ModelRunner:
         # Unseeded requests draw from the global generator: seed it so a run is repeatable.
         torch.manual_seed(device_config.seed)
 
-        self.model = model or load_model(model_path, model_config, self.dtype, self.device)
+        self.model = model or load_model(
+            model_path, model_config, self.dtype, self.device, device_config.keeps_weights_packed
+        )
 
         bytes_per_block = kv_cache_bytes_per_block(model_config, self.block_size, self.dtype)
         self.num_kv_blocks = cache_config.num_gpu_blocks_override or max(
@@ -87,6 +101,8 @@ class ModelRunner:
         ]
 
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.proposer = create_proposer(speculative_config) if speculative_config else None
         self.requests: dict[str, CachedRequestState] = {}
 
     # ---- state sync -------------------------------------------------------------------------
@@ -138,9 +154,13 @@ class ModelRunner:
         slot_mapping: list[int] = []
         query_start_loc = [0]
         bs = self.block_size
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for state, num_tokens in zip(states, num_scheduled):
             start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start : start + num_tokens])
+            # The query is [known tokens not computed yet, *drafts]; drafts are not in token_ids.
+            drafts = spec_tokens.get(state.req_id, [])
+            input_ids.extend(state.token_ids[start : start + num_tokens - len(drafts)])
+            input_ids.extend(drafts)
             span = range(start, start + num_tokens)
             positions.extend(span)
             block_ids = state.block_ids
@@ -176,15 +196,110 @@ class ModelRunner:
             i for i, (s, n) in enumerate(zip(states, num_scheduled))
             if s.num_computed_tokens + n >= len(s.token_ids)
         ]
-        if sample_rows:
-            logits_indices = torch.tensor(
-                [query_start_loc[i + 1] - 1 for i in sample_rows], device=device
+        plain_rows = [i for i in sample_rows if states[i].req_id not in spec_tokens]
+        spec_rows = [i for i in sample_rows if states[i].req_id in spec_tokens]
+        # Logits at each plain row's last position, then at each spec row's last k + 1 positions:
+        #   query of a spec row: | known tokens | d0 ... d(k-1) |
+        #   logits rows:                    |last| d0 ... d(k-1)|  (k + 1 rows: p at d0 .. bonus)
+        logits_indices = [query_start_loc[i + 1] - 1 for i in plain_rows]
+        for i in spec_rows:
+            end = query_start_loc[i + 1]
+            logits_indices.extend(range(end - len(spec_tokens[states[i].req_id]) - 1, end))
+        num_rejected: dict[str, int] = {}
+        if logits_indices:
+            logits = self.model.compute_logits(
+                hidden_states[torch.tensor(logits_indices, device=device)]
             )
-            logits = self.model.compute_logits(hidden_states[logits_indices])
-            self._sample(logits, [states[i] for i in sample_rows], output)
+            if plain_rows:
+                self._sample(logits[: len(plain_rows)], [states[i] for i in plain_rows], output)
+            if spec_rows:
+                num_rejected = self._verify_drafts(
+                    logits[len(plain_rows) :],
+                    [states[i] for i in spec_rows],
+                    [spec_tokens[states[i].req_id] for i in spec_rows],
+                    output,
+                )
         for state, num_tokens in zip(states, num_scheduled):
-            state.num_computed_tokens += num_tokens
+            state.num_computed_tokens += num_tokens - num_rejected.get(state.req_id, 0)
+        if self.proposer is not None:
+            for req_id in output.sampled_token_ids:
+                drafts = self.proposer.propose(self.requests[req_id].token_ids)
+                if drafts:
+                    output.spec_token_ids[req_id] = drafts
         return output
+
+    def _verify_drafts(
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        drafts_list: list[list[int]],
+        output: ModelRunnerOutput,
+    ) -> dict[str, int]:
+        """Rejection-sample each request's drafts from logits (sum(k + 1), V); append the emitted
+        tokens to its state. Returns req_id -> number of rejected drafts."""
+        # One sampling row per position. Row j of a request sees drafts[:j] as output tokens:
+        # it is only used if they were all accepted, so penalties and min_tokens count them.
+        params_list, output_ids, prompt_ids = [], [], []
+        for state, drafts in zip(states, drafts_list):
+            prompt = state.token_ids[: state.num_prompt_tokens]
+            for j in range(len(drafts) + 1):
+                params_list.append(state.sampling_params)
+                output_ids.append(state.output_token_ids + drafts[:j])
+                prompt_ids.append(prompt)
+        metadata = SamplingMetadata.build(
+            params_list, output_ids, prompt_ids, {}, self.model_config.eos_token_ids,
+            self.model_config.vocab_size, self.device,
+        )
+        generators = {
+            i: s.generator for i, s in enumerate(states)
+            if s.generator is not None
+            and s.sampling_params.sampling_type == SamplingType.RANDOM_SEED
+        }
+        emitted = self.rejection_sampler(logits, metadata, drafts_list, generators)
+
+        logprobs_per_req = self._emitted_logprobs(logits, states, drafts_list, emitted)
+        num_rejected = {}
+        for state, drafts, token_ids in zip(states, drafts_list, emitted):
+            state.token_ids.extend(token_ids)
+            state.output_token_ids.extend(token_ids)
+            output.sampled_token_ids[state.req_id] = token_ids
+            num_rejected[state.req_id] = len(drafts) + 1 - len(token_ids)
+            if state.req_id in logprobs_per_req:
+                output.logprobs[state.req_id] = logprobs_per_req[state.req_id]
+        return num_rejected
+
+    def _emitted_logprobs(
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        drafts_list: list[list[int]],
+        emitted: list[list[int]],
+    ) -> dict[str, list[TokenLogprobs]]:
+        """Raw-logit logprobs of each emitted token at its own position (as `_sample` gives)."""
+        wanted = [s.sampling_params.logprobs for s in states
+                  if s.sampling_params.logprobs is not None]
+        if not wanted:
+            return {}
+        rows, token_ids, start = [], [], 0
+        for drafts, tokens in zip(drafts_list, emitted):
+            rows.extend(range(start, start + len(tokens)))
+            token_ids.extend(tokens)
+            start += len(drafts) + 1
+        raw_logprobs = logits[torch.tensor(rows, device=logits.device)].float().log_softmax(dim=-1)
+        values, ids, ranks = gather_logprobs(
+            raw_logprobs, torch.tensor(token_ids, device=logits.device), max(wanted)
+        )
+        values, ids, ranks = values.tolist(), ids.tolist(), ranks.tolist()
+        result, offset = {}, 0
+        for state, tokens in zip(states, emitted):
+            num_top = state.sampling_params.logprobs
+            if num_top is not None:
+                result[state.req_id] = [
+                    TokenLogprobs(ids[r][: 1 + num_top], values[r][: 1 + num_top], ranks[r])
+                    for r in range(offset, offset + len(tokens))
+                ]
+            offset += len(tokens)
+        return result
 
     def _sample(
         self, logits: torch.Tensor, states: list[CachedRequestState], output: ModelRunnerOutput

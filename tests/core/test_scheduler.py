@@ -6,10 +6,16 @@ of the sequence up to that position, as real KV depends on the whole prefix. A r
 token from what it reads back through its block table, and the read is checked. So a request's
 output must be the same whatever the batch, the chunking, the cache hits or the preemptions, and a
 wrong block table, a lost write or a stale prefix-cache hit fails loudly.
+
+With `num_speculative_tokens`, the fake runner also proposes random drafts (each the fake model's
+true next token with probability `draft_accuracy`, else random), writes their KV, accepts them
+while they match what the fake model samples, and rolls back the rest: so outputs must still equal
+the plain run, and KV left behind by a rejected draft is caught if it is ever read.
 """
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from collections import defaultdict
@@ -51,10 +57,20 @@ class RunnerRequestState:
 
 
 class FakeModelRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_speculative_tokens: int = 0,
+        draft_accuracy: float = 0.7,
+        spec_seed: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.kv_cache: list[int | None] = [None] * (num_blocks * block_size)
         self.requests: dict[str, RunnerRequestState] = {}
+        self.num_speculative_tokens = num_speculative_tokens
+        self.draft_accuracy = draft_accuracy
+        self.spec_rng = random.Random(spec_seed)
 
     def _slot(self, state: RunnerRequestState, position: int) -> int:
         block_id = state.block_ids[position // self.block_size]
@@ -78,12 +94,21 @@ class FakeModelRunner:
             state.block_ids.extend(new_block_ids)
 
         # Like a forward pass: every scheduled token's KV is written before anything is read.
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        draft_kv: dict[str, list[int]] = {}
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[req_id]
             end = state.num_computed_tokens + num_tokens
-            assert end <= len(state.token_ids), f"{req_id} scheduled past its known tokens"
+            drafts = spec_tokens.get(req_id, [])
+            if drafts:
+                assert end == len(state.token_ids) + len(drafts), f"{req_id}: drafts not the tail"
+            else:
+                assert end <= len(state.token_ids), f"{req_id} scheduled past its known tokens"
             assert end <= len(state.block_ids) * self.block_size, f"{req_id} has too few blocks"
-            expected = state.expected_kv_upto(end)
+            expected = list(state.expected_kv_upto(min(end, len(state.token_ids))))
+            for position, token_id in enumerate(drafts, start=len(state.token_ids)):
+                expected.append(kv_value(expected[-1], position, token_id))
+            draft_kv[req_id] = expected[len(state.token_ids) :]
             for position in range(state.num_computed_tokens, end):
                 self.kv_cache[self._slot(state, position)] = expected[position]
 
@@ -91,17 +116,39 @@ class FakeModelRunner:
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[req_id]
             state.num_computed_tokens += num_tokens
+            drafts = spec_tokens.get(req_id, [])
             if state.num_computed_tokens < len(state.token_ids):
                 continue  # a prompt chunk that does not reach the end samples nothing
             seq_len = len(state.token_ids)
-            kv_read = [self.kv_cache[self._slot(state, p)] for p in range(seq_len)]
-            expected = state.expected_kv_upto(seq_len)
-            bad = [p for p in range(seq_len) if kv_read[p] != expected[p]]
+            kv_read = [self.kv_cache[self._slot(state, p)] for p in range(seq_len + len(drafts))]
+            expected = state.expected_kv_upto(seq_len) + draft_kv[req_id]
+            bad = [p for p in range(len(kv_read)) if kv_read[p] != expected[p]]
             assert not bad, f"{req_id} reads wrong KV at positions {bad}"
-            token_id = fake_next_token(kv_read)
-            state.token_ids.append(token_id)
-            output.sampled_token_ids[req_id] = [token_id]
+            # Greedy verification: accept drafts while they match what the model samples.
+            sampled = []
+            for num_accepted in range(len(drafts) + 1):
+                sampled.append(fake_next_token(kv_read[: seq_len + num_accepted]))
+                if num_accepted == len(drafts) or sampled[-1] != drafts[num_accepted]:
+                    break
+            state.token_ids.extend(sampled)
+            state.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            output.sampled_token_ids[req_id] = sampled
+            if self.num_speculative_tokens:
+                output.spec_token_ids[req_id] = self._propose(state)
         return output
+
+    def _propose(self, state: RunnerRequestState) -> list[int]:
+        """0..num_speculative_tokens drafts, each the true next token or a random one."""
+        rng = self.spec_rng
+        kv = list(state.expected_kv_upto(len(state.token_ids)))
+        drafts = []
+        for _ in range(rng.randint(0, self.num_speculative_tokens)):
+            token_id = fake_next_token(kv)
+            if rng.random() >= self.draft_accuracy:
+                token_id = rng.randrange(VOCAB_SIZE)
+            kv.append(kv_value(kv[-1], len(kv), token_id))
+            drafts.append(token_id)
+        return drafts
 
 
 class Harness:
@@ -112,6 +159,8 @@ class Harness:
         num_blocks: int = 256,
         block_size: int = 4,
         enable_prefix_caching: bool = True,
+        num_speculative_tokens: int = 0,
+        spec_seed: int = 0,
         **scheduler_kwargs,
     ) -> None:
         scheduler_kwargs.setdefault("max_model_len", 1024)
@@ -121,7 +170,9 @@ class Harness:
             CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
             num_blocks=num_blocks,
         )
-        self.runner = FakeModelRunner(num_blocks, block_size)
+        self.runner = FakeModelRunner(
+            num_blocks, block_size, num_speculative_tokens, spec_seed=spec_seed
+        )
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.finish_reasons: dict[str, str] = {}
         self.stop_reasons: dict[str, int | str | None] = {}

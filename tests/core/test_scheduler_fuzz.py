@@ -3,7 +3,8 @@
 Random arrivals, prompt lengths, max_tokens, priorities, cache salts, aborts and shared prefixes
 on 23 usable blocks of 4 tokens force chunking, prefix hits and preemptions together. The fake
 runner (see test_scheduler.py) checks every KV read, and each request's output must equal what
-the fake model gives it alone on a big pool.
+the fake model gives it alone on a big pool. With speculation on, the fake runner proposes random
+drafts (some right, some wrong) and the outputs must still be those of the plain run alone.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def random_requests(rng: random.Random, num_requests: int) -> list[tuple[int, Re
     return sorted(arrivals, key=lambda pair: pair[0])
 
 
+@pytest.mark.parametrize("num_speculative_tokens", [0, 3])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workload_keeps_invariants_and_outputs(seed):
+def test_random_workload_keeps_invariants_and_outputs(seed, num_speculative_tokens):
     rng = random.Random(seed)
     config = random_config(rng)
     enable_prefix_caching = seed != 3
@@ -68,6 +70,8 @@ def test_random_workload_keeps_invariants_and_outputs(seed):
         block_size=BLOCK_SIZE,
         enable_prefix_caching=enable_prefix_caching,
         max_model_len=MAX_MODEL_LEN,
+        num_speculative_tokens=num_speculative_tokens,
+        spec_seed=seed,
         **config,
     )
     arrivals = random_requests(rng, num_requests=40)
@@ -100,6 +104,13 @@ def test_random_workload_keeps_invariants_and_outputs(seed):
         assert num_split_prompts > 0
     if enable_prefix_caching:
         assert stats.prefix_cache_hits > 0
+    spec = stats.spec_decoding
+    if num_speculative_tokens:
+        # Drafts were verified, some accepted and some rejected (so KV was rolled back).
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+        assert any(out.scheduled_spec_decode_tokens for out in harness.history)
+    else:
+        assert spec.num_drafts == 0
     assert aborted and len(harness.finish_reasons) == len(requests) - len(aborted)
 
     for request in requests:

@@ -1,0 +1,175 @@
+"""GGUF weights kept in their packed form, and the int4 CPU kernel that multiplies by them.
+
+Every GGUF type kept packed here is, per 32-element group along K, `value = scale * code + min`:
+  Q4_0  code 0..15, min = -8 * scale          (llama.cpp: d * (q - 8))
+  Q4_1  code 0..15, fp16 scale d and min m    (d * q + m)
+  Q4_K  code 0..15 in 256-element super-blocks; each 32-group has 6-bit sc, m:
+        scale = d * sc, min = -dmin * m        (fp32 products of an fp16 and a 6-bit int: exact)
+  Q8_0  code -128..127, min = 0                (d * q)
+`GGUFQuantWeight` holds codes, fp32 scales and mins in that form: `dequantize()` reproduces
+`gguf.quants.dequantize` bit for bit (tests/layers/test_quantized.py).
+
+torch's CPU int4 kernel `_weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)` computes
+`(code - 8) * scale + zero` per group, so zero = min + 8 * scale. It wants scales_and_zeros in the
+activation dtype: bf16 (its fp32 path exists but is ~30x slower than a dense fp32 matmul). Q8_0
+does not fit 4 bits; it is split exactly into two int4 halves along K (`q8_0_as_int4`):
+  q + 128 = 16 * hi + lo   =>   d * q = (16 d) * hi - 128 d  +  d * lo
+so `x @ W^T = [x, x] @ [W_hi, W_lo]^T`: one int4 matmul over 2K, one byte per weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+GROUP_SIZE = 32
+INNER_K_TILES = 2
+"""Any of 1, 2, 4, 8 packs identically on the CPU (checked on torch 2.13); only CUDA uses it.
+
+The CPU layout, for reference: the uint8 [N, K/2] result is a [N/64, K, 32] byte stream; byte
+(b, k, i) holds code[64b + i, k] in its low nibble and code[64b + 32 + i, k] in its high one."""
+
+GQT = gguf.GGMLQuantizationType
+INT4_TYPES = (GQT.Q4_0, GQT.Q4_1, GQT.Q4_K)
+PACKABLE_TYPES = (*INT4_TYPES, GQT.Q8_0)
+
+
+@dataclass
+class GGUFQuantWeight:
+    """One GGUF matrix [N, K] as codes plus per-32-group fp32 scale and min (see module doc)."""
+
+    qtype: GQT
+    codes: torch.Tensor
+    """uint8 [N, K] in 0..15 for the 4-bit types; int8 [N, K] for Q8_0."""
+    scales: torch.Tensor
+    """fp32 [N, K / 32]."""
+    mins: torch.Tensor
+    """fp32 [N, K / 32] (zeros for Q8_0)."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def is_int4(self) -> bool:
+        return self.qtype in INT4_TYPES
+
+    def select_rows(self, index: torch.Tensor) -> GGUFQuantWeight:
+        """Rows `index` of the matrix (used to undo llama.cpp's q/k row permutation)."""
+        return GGUFQuantWeight(self.qtype, self.codes[index], self.scales[index], self.mins[index])
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 [N, K] (or [len(rows), K]): the slow reference, equal to gguf's dequantize."""
+        codes, scales, mins = self.codes, self.scales, self.mins
+        if rows is not None:
+            codes, scales, mins = codes[rows], scales[rows], mins[rows]
+        n, k = codes.shape
+        grouped = codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        return (scales.unsqueeze(-1) * grouped + mins.unsqueeze(-1)).view(n, k)
+
+
+def decode_gguf_blocks(data: np.ndarray, qtype: GQT, shape: tuple[int, int]) -> GGUFQuantWeight:
+    """Raw GGUF bytes of a [N, K] matrix (uint8, one row of blocks per matrix row) -> codes form."""
+    n, k = shape
+    if qtype not in PACKABLE_TYPES:
+        raise ValueError(f"{qtype.name} is not kept packed")
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
+    if qtype == GQT.Q8_0:  # [d fp16][32 x int8]
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        codes = blocks[:, 2:].copy().view(np.int8)
+        scales, mins = d, np.zeros_like(d)
+    elif qtype in (GQT.Q4_0, GQT.Q4_1):  # [d][m (Q4_1 only)][16 bytes: lo nibbles 0..15, hi 16..31]
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        if qtype == GQT.Q4_1:
+            mins = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+            qs = blocks[:, 4:]
+        else:
+            mins = -8.0 * d
+            qs = blocks[:, 2:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        scales = d
+    else:  # Q4_K: [d][dmin][12 bytes of 6-bit sc/m][128 bytes: per 64 elements lo 32, hi 32]
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+        scales = d * sc.astype(np.float32)  # [blocks, 8]
+        mins = -(dmin * m.astype(np.float32))
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)
+    return GGUFQuantWeight(
+        qtype,
+        torch.from_numpy(np.ascontiguousarray(codes).reshape(n, k)),
+        torch.from_numpy(np.ascontiguousarray(scales).reshape(n, k // GROUP_SIZE)),
+        torch.from_numpy(np.ascontiguousarray(mins).reshape(n, k // GROUP_SIZE)),
+    )
+
+
+def q8_0_as_int4(weight: GGUFQuantWeight) -> GGUFQuantWeight:
+    """Q8_0 [N, K] -> an exactly equal 4-bit matrix [N, 2K] to be multiplied by [x, x]."""
+    assert weight.qtype == GQT.Q8_0
+    shifted = weight.codes.to(torch.int16) + 128  # 0..255 = 16 * hi + lo
+    hi, lo = (shifted >> 4).to(torch.uint8), (shifted & 0x0F).to(torch.uint8)
+    d = weight.scales
+    return GGUFQuantWeight(
+        GQT.Q4_1,
+        torch.cat([hi, lo], dim=1),
+        torch.cat([16.0 * d, d], dim=1),
+        torch.cat([-128.0 * d, torch.zeros_like(d)], dim=1),
+    )
+
+
+def int4_scales_and_zeros(scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype):
+    """[N, G] scale and min -> torch's [G, N, 2] (scale, zero) with zero = min + 8 * scale."""
+    zeros = mins + 8.0 * scales
+    return torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+
+
+class Int4PackedWeight(torch.nn.Module):
+    """y = x @ W^T with W in torch's CPU int4 packed format; for Q8_0, W is the 2K split."""
+
+    def __init__(self, weight: GGUFQuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.duplicate_input = weight.qtype == GQT.Q8_0
+        if self.duplicate_input:
+            weight = q8_0_as_int4(weight)
+        assert weight.is_int4, weight.qtype
+        self.out_features, packed_in = weight.shape
+        self.register_buffer(
+            "packed",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                weight.codes.to(torch.int32), INNER_K_TILES
+            ),
+        )
+        self.register_buffer(
+            "scales_and_zeros", int4_scales_and_zeros(weight.scales, weight.mins, dtype)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) in the scales' dtype -> (..., N)."""
+        leading = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])
+        if self.duplicate_input:
+            x = torch.cat([x, x], dim=-1)
+        x = x.to(self.scales_and_zeros.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, GROUP_SIZE, self.scales_and_zeros
+        )
+        return y.view(*leading, self.out_features)
+
+
+def concat_rows(weights: list[GGUFQuantWeight]) -> GGUFQuantWeight | None:
+    """Stack shards along N (merged QKV / gate-up); None unless all are 4-bit or all Q8_0.
+
+    The 4-bit types share one form (per-32 scale and min), so Q4_0, Q4_1 and Q4_K shards mix.
+    """
+    if not (all(w.is_int4 for w in weights) or all(w.qtype == GQT.Q8_0 for w in weights)):
+        return None
+    return GGUFQuantWeight(
+        weights[0].qtype,
+        torch.cat([w.codes for w in weights]),
+        torch.cat([w.scales for w in weights]),
+        torch.cat([w.mins for w in weights]),
+    )

@@ -1,0 +1,135 @@
+"""Speculative decoding (n-gram) on the real default model: it acted (drafts were accepted), and
+the output is what the plain engine gives: greedy token for token, seeded sampling reproducibly,
+with chunked prefill, prefix caching, preemption, n > 1, stop strings, penalties and logprobs."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.sampling_params import SamplingParams
+from tests.prompts import _CHINESE_TEXT, _ENGLISH_STORY, source_text
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1}
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+_MANUAL = (
+    "To reset the router, hold the reset button for ten seconds until the light blinks amber. "
+    "The router then restarts with factory settings: the network name is printed on the label "
+    "and the password is the serial number. To update the firmware, open the admin page, choose "
+    "System, then Update, and select the file you downloaded. Never unplug the router during an "
+    "update, or it may no longer start. "
+)
+DOCUMENTS = [_ENGLISH_STORY, _MANUAL, source_text(900), _CHINESE_TEXT * 2]
+
+
+def doc_qa_prompts(tokenizer, count: int = 20) -> list[dict]:
+    """Document-QA prompts whose questions quote the document, so the answers repeat it."""
+    prompts = []
+    for index in range(count):
+        document = DOCUMENTS[index % len(DOCUMENTS)]
+        start = (index // len(DOCUMENTS)) * len(document) // 6
+        quote = document[start : start + 60]
+        question = (f"\n\nQuestion: the text above says \"{quote}\". Quote the sentence that "
+                    "comes right after it, word for word.\nAnswer:")
+        prompts.append({"prompt_token_ids": tokenizer.encode(document + question)})
+    return prompts
+
+
+def texts_and_ids(outputs) -> list[list[tuple[str, list[int]]]]:
+    return [[(c.text, c.token_ids) for c in o.outputs] for o in outputs]
+
+
+def spec_stats(llm):
+    return llm.engine.get_stats().spec_decoding
+
+
+def test_greedy_with_ngram_equals_greedy_without(make_llm, tokenizer):
+    prompts = doc_qa_prompts(tokenizer, 20)
+    plain = make_llm().generate(prompts, GREEDY)
+    llm = make_llm(speculative_config=SPEC)
+    spec = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    stats = spec_stats(llm)
+    assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0
+    assert len(stats.acceptance_rate_per_pos) == 4 and stats.mean_acceptance_length > 1
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # and some were rejected
+
+
+def test_penalties_and_logprobs_with_ngram(make_llm, tokenizer):
+    """Penalties must see the drafts accepted before each position; logprobs of every emitted
+    token come from its own position."""
+    prompts = doc_qa_prompts(tokenizer, 4)
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, min_tokens=12,
+                            repetition_penalty=1.1, frequency_penalty=0.2)
+    plain = make_llm().generate(prompts, params)
+    llm = make_llm(speculative_config=SPEC)
+    spec = llm.generate(prompts, params)
+    assert spec_stats(llm).num_accepted_tokens > 0
+    for a, b in zip(plain, spec):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert len(b.logprobs) == len(b.token_ids)
+        assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
+        for pa, pb in zip(a.logprobs, b.logprobs):
+            assert list(pa) == list(pb)
+
+
+def test_seeded_sampling_with_ngram_is_reproducible(make_llm, tokenizer):
+    prompts = doc_qa_prompts(tokenizer, 4)
+    seeded = [SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=100 + i, max_tokens=32,
+                             ignore_eos=True) for i in range(len(prompts))]
+    first_llm = make_llm(speculative_config=SPEC)
+    first = texts_and_ids(first_llm.generate(prompts, seeded))
+    assert spec_stats(first_llm).num_accepted_tokens > 0
+    # Again, in a fresh engine, with other requests in the batch and another engine seed.
+    llm = make_llm(speculative_config=SPEC, seed=5)
+    others = doc_qa_prompts(tokenizer, 7)[4:]
+    batch_params = seeded + [SamplingParams(temperature=1.0, max_tokens=20)] * len(others)
+    again = texts_and_ids(llm.generate(prompts + others, batch_params))[: len(prompts)]
+    assert again == first
+
+
+def test_ngram_with_chunking_caching_preemption_n2_and_stop_strings(make_llm, tokenizer):
+    prompts = doc_qa_prompts(tokenizer, 6)
+    free = make_llm(enable_chunked_prefill=False, enable_prefix_caching=False).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    # A stop string from the middle of each plain output (where one is printable).
+    params = []
+    for out in free:
+        text = out.outputs[0].text
+        stop = [text[12:16]] if len(text.strip()) > 20 and text[12:16].strip() else []
+        params.append(SamplingParams(n=2, temperature=0, max_tokens=32, ignore_eos=True,
+                                     stop=stop))
+    assert sum(bool(p.stop) for p in params) >= 3
+    plain = make_llm(enable_chunked_prefill=False, enable_prefix_caching=False).generate(
+        prompts, params)
+
+    # 40 blocks of 16 = 640 tokens: room for any one sequence, not for 12 at once.
+    llm = make_llm(speculative_config=SPEC, max_num_batched_tokens=64, max_num_seqs=16,
+                   num_gpu_blocks_override=41, max_model_len=640)
+    schedules = []
+    original = llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda: schedules.append(original()) or schedules[-1]
+    spec = llm.generate(prompts, params)
+
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0  # the n = 2 copies share the prompt
+    assert stats.spec_decoding.num_accepted_tokens > 0
+    assert any(out.scheduled_spec_decode_tokens and any(
+        n > 1 and r not in out.scheduled_spec_decode_tokens
+        for r, n in out.num_scheduled_tokens.items()) for out in schedules), \
+        "no step verified drafts next to a prompt chunk"
+    num_stopped = 0
+    for a, b in zip(plain, spec):
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert (cb.text, cb.finish_reason, cb.stop_reason) == (
+                ca.text, ca.finish_reason, ca.stop_reason)
+            # NOTE: with a stop string, the step that completed it may have emitted a few more
+            # accepted tokens; the text is cut at the stop string, the token ids are not.
+            assert cb.token_ids[: len(ca.token_ids)] == ca.token_ids
+            if ca.finish_reason == "length":
+                assert cb.token_ids == ca.token_ids
+            num_stopped += ca.finish_reason == "stop"
+    assert num_stopped >= 3

@@ -1,0 +1,172 @@
+"""GGUF codes kept packed: exact against gguf's own dequantize, close to a dense bf16 matmul.
+
+Synthetic blocks cover every packable type (random bytes with finite fp16 scales, so every code,
+6-bit scale and sign occurs); the real SmolLM2 file covers Q4_1 and Q8_0 as shipped.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.layers.linear import Linear, MergedLinear
+from pagedserve.layers.quantized import (
+    GQT,
+    PACKABLE_TYPES,
+    GGUFQuantWeight,
+    Int4PackedWeight,
+    decode_gguf_blocks,
+    int4_scales_and_zeros,
+    q8_0_as_int4,
+)
+
+# Byte offsets of the fp16 fields in each block: d (and m / dmin).
+_FP16_FIELDS = {GQT.Q4_0: (0,), GQT.Q4_1: (0, 2), GQT.Q4_K: (0, 2), GQT.Q8_0: (0,)}
+
+
+def synthetic_blocks(qtype: GQT, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF bytes [n, k / block * bytes] of a random matrix of `qtype`."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // block_size, type_size), dtype=np.uint8)
+    for offset in _FP16_FIELDS[qtype]:
+        values = (rng.standard_normal(len(blocks)) * 0.02).astype(np.float16)
+        blocks[:, offset : offset + 2] = values.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def _kernel_weight(packed: Int4PackedWeight, k: int) -> torch.Tensor:
+    """W [N, K] read back through the int4 kernel itself: identity activations, fp32 scales."""
+    x = torch.eye(k)
+    if packed.duplicate_input:  # Q8_0: [x, x] against [W_hi, W_lo]
+        x = x.repeat(1, 2)
+    w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, packed.packed, 32, packed.scales_and_zeros.float()
+    )
+    return w_t.t()
+
+
+@pytest.mark.parametrize("qtype", PACKABLE_TYPES, ids=lambda t: t.name)
+def test_codes_reproduce_gguf_dequantize_exactly(qtype):
+    n, k = 48, 512
+    data = synthetic_blocks(qtype, n, k)
+    weight = decode_gguf_blocks(data, qtype, (n, k))
+    reference = gguf.quants.dequantize(data, qtype)
+    assert reference.shape == (n, k)
+    np.testing.assert_array_equal(weight.dequantize().numpy(), reference)
+    rows = torch.tensor([5, 0, 47, 5])
+    np.testing.assert_array_equal(weight.dequantize(rows).numpy(), reference[rows.numpy()])
+
+
+def test_q8_0_int4_split_is_exact():
+    n, k = 16, 256
+    weight = decode_gguf_blocks(synthetic_blocks(GQT.Q8_0, n, k), GQT.Q8_0, (n, k))
+    split = q8_0_as_int4(weight).dequantize()  # [N, 2K]: W = W_hi + W_lo
+    assert split.shape == (n, 2 * k)
+    assert torch.equal(split[:, :k] + split[:, k:], weight.dequantize())
+
+
+@pytest.mark.parametrize("qtype", PACKABLE_TYPES, ids=lambda t: t.name)
+def test_packing_layout_through_the_kernel(qtype):
+    """The packed codes, read by the kernel in fp32, give W within an ulp or two.
+
+    (The kernel computes (code - 8) * scale + zero with zero = min + 8 * scale; rounding zero to
+    fp32 can move a value by an ulp relative to gguf's scale * code + min.)
+    """
+    n, k = 64, 256
+    data = synthetic_blocks(qtype, n, k, seed=1)
+    weight = decode_gguf_blocks(data, qtype, (n, k))
+    packed = Int4PackedWeight(weight, torch.bfloat16)
+    # Rebuild the scales in fp32 (the module keeps them in bf16, the kernel's dtype).
+    source = q8_0_as_int4(weight) if qtype == GQT.Q8_0 else weight
+    packed.scales_and_zeros = int4_scales_and_zeros(source.scales, source.mins, torch.float32)
+    reference = torch.from_numpy(gguf.quants.dequantize(data, qtype))
+    torch.testing.assert_close(_kernel_weight(packed, k), reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", PACKABLE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("batch", [1, 7, 32])
+def test_int4_matmul_close_to_dense_bf16(qtype, batch):
+    """bf16 kernel vs dense bf16 F.linear of the dequantized weight, both against fp32.
+
+    Tolerance: the kernel's relative error (its bf16 scales and zeros) stays within 2x the dense
+    bf16 path's (bf16 weights), and both under 1% of the output norm.
+    """
+    n, k = 96, 576
+    torch.manual_seed(0)
+    data = synthetic_blocks(qtype, n, k, seed=2)
+    weight = decode_gguf_blocks(data, qtype, (n, k))
+    dense = weight.dequantize()
+    x = torch.randn(batch, k).to(torch.bfloat16)
+    exact = x.float() @ dense.t()
+    ours = Int4PackedWeight(weight, torch.bfloat16)(x).float()
+    dense_bf16 = torch.nn.functional.linear(x, dense.to(torch.bfloat16)).float()
+    ours_error = (ours - exact).norm() / exact.norm()
+    dense_error = (dense_bf16 - exact).norm() / exact.norm()
+    assert ours_error < 1e-2 and dense_error < 1e-2, (ours_error, dense_error)
+    assert ours_error < 2 * dense_error + 1e-3, (ours_error, dense_error)
+
+
+def _loaded_linear(layer: Linear, shards: dict, dtype: torch.dtype) -> Linear:
+    for shard_id, weight in shards.items():
+        if isinstance(layer, MergedLinear):
+            layer.weight_loader(layer.weight, weight, shard_id)
+        else:
+            from pagedserve.layers.linear import default_weight_loader
+
+            default_weight_loader(layer.weight, weight)
+    layer.process_weights_after_loading(dtype)
+    return layer.to(dtype)
+
+
+def test_merged_layer_packs_same_type_shards_and_falls_back_on_mixed():
+    k = 256
+    q = decode_gguf_blocks(synthetic_blocks(GQT.Q4_1, 64, k, 3), GQT.Q4_1, (64, k))
+    kk = decode_gguf_blocks(synthetic_blocks(GQT.Q4_K, 32, k, 4), GQT.Q4_K, (32, k))
+    v8 = decode_gguf_blocks(synthetic_blocks(GQT.Q8_0, 32, k, 5), GQT.Q8_0, (32, k))
+    dense = torch.cat([q.dequantize(), kk.dequantize(), v8.dequantize()])
+    x = torch.randn(3, k).to(torch.bfloat16)
+
+    four_bit = MergedLinear(k, {"q": 64, "k": 32, "v": 32})
+    _loaded_linear(four_bit, {"q": q, "k": kk, "v": kk}, torch.bfloat16)
+    assert four_bit.packed is not None and four_bit.weight is None
+
+    mixed = MergedLinear(k, {"q": 64, "k": 32, "v": 32})
+    _loaded_linear(mixed, {"q": q, "k": kk, "v": v8}, torch.bfloat16)
+    assert mixed.packed is None
+    assert torch.equal(mixed.weight, dense.to(torch.bfloat16))  # dequantized, then rounded
+    q_out, _, _ = mixed.forward_split(x)
+    torch.testing.assert_close(q_out, four_bit.forward_split(x)[0], rtol=2e-2, atol=2e-2)
+
+    fp32 = _loaded_linear(MergedLinear(k, {"q": 64, "k": 32, "v": 32}),
+                          {"q": q, "k": kk, "v": v8}, torch.float32)
+    assert fp32.packed is None and torch.equal(fp32.weight, dense)
+
+
+def test_real_model_tensors_exact(model_path):
+    """Every Q4_1 / Q8_0 matrix of the shipped SmolLM2 file (211 of them, about a second)."""
+    reader = gguf.GGUFReader(model_path)
+    seen = set()
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in PACKABLE_TYPES:
+            continue
+        seen.add(tensor.tensor_type)
+        shape = tuple(reversed(tensor.shape.tolist()))
+        weight = decode_gguf_blocks(tensor.data, tensor.tensor_type, shape)
+        assert isinstance(weight, GGUFQuantWeight)
+        reference = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        np.testing.assert_array_equal(weight.dequantize().numpy(), reference)
+    assert seen == {GQT.Q4_1, GQT.Q8_0}
+
+
+def test_quantization_option_keeps_fp32_and_cuda_dense():
+    from pagedserve.config import DeviceConfig
+
+    assert DeviceConfig(dtype="bfloat16", quantization="auto").keeps_weights_packed
+    assert not DeviceConfig(dtype="float32", quantization="auto").keeps_weights_packed
+    assert not DeviceConfig(dtype="bfloat16", quantization="none").keeps_weights_packed
+    assert not DeviceConfig(device="cuda", quantization="auto").keeps_weights_packed
+    with pytest.raises(ValueError, match="quantization"):
+        DeviceConfig(quantization="int4")
