@@ -47,6 +47,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
 
 
+def _throughput_metrics(
+    workload: Workload, num_requests: int, num_output_tokens: int, elapsed: float
+) -> dict[str, Any]:
+    """The figures both engines report, computed the same way for a fair ratio."""
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": num_requests,
+        "num_prompt_tokens": workload.num_prompt_tokens,
+        "num_output_tokens": num_output_tokens,
+        "requests_per_s": num_requests / elapsed,
+        "output_tokens_per_s": num_output_tokens / elapsed,
+        "total_tokens_per_s": (workload.num_prompt_tokens + num_output_tokens) / elapsed,
+    }
+
+
 def _fixed_length_params(output_len: int) -> SamplingParams:
     return SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)
 
@@ -76,13 +91,7 @@ def run_pagedserve(llm: LLM, workload: Workload) -> tuple[dict[str, Any], list[l
     num_output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     num_prompt_tokens_computed = stat_delta("num_prompt_tokens_computed")
     metrics = {
-        "elapsed_s": elapsed,
-        "num_requests": len(outputs),
-        "num_prompt_tokens": workload.num_prompt_tokens,
-        "num_output_tokens": num_output_tokens,
-        "requests_per_s": len(outputs) / elapsed,
-        "output_tokens_per_s": num_output_tokens / elapsed,
-        "total_tokens_per_s": (workload.num_prompt_tokens + num_output_tokens) / elapsed,
+        **_throughput_metrics(workload, len(outputs), num_output_tokens, elapsed),
         "num_prompt_tokens_computed": num_prompt_tokens_computed,
         "num_generation_tokens": stat_delta("num_generation_tokens"),
         "prefix_cache_queries": stat_delta("prefix_cache_queries"),
@@ -174,15 +183,9 @@ def run_hf(
 
     num_output_tokens = sum(len(ids) for ids in output_ids)
     metrics = {
-        "elapsed_s": elapsed,
+        **_throughput_metrics(workload, len(prompts), num_output_tokens, elapsed),
         "load_time_s": load_time,
         "batch_size": batch_size,
-        "num_requests": len(prompts),
-        "num_prompt_tokens": workload.num_prompt_tokens,
-        "num_output_tokens": num_output_tokens,
-        "requests_per_s": len(prompts) / elapsed,
-        "output_tokens_per_s": num_output_tokens / elapsed,
-        "total_tokens_per_s": (workload.num_prompt_tokens + num_output_tokens) / elapsed,
         "num_threads": torch.get_num_threads(),
         "weight_dtypes": weight_dtypes,
         "attn_implementation": model.config._attn_implementation,
