@@ -184,6 +184,25 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Constrained decoding: the compiled-grammar cache and the compile budget."""
+
+    max_cached_grammars: int = 128
+    """Compiled grammars kept (LRU); a compiled JSON schema is typically well under 1 MiB."""
+    compile_timeout_s: float = 10.0
+    """A request whose grammar is not compiled this long after it arrived fails."""
+    num_compile_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_cached_grammars < 1:
+            raise ValueError(f"max_cached_grammars must be >= 1, got {self.max_cached_grammars}")
+        if self.compile_timeout_s <= 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+        if self.num_compile_threads < 1:
+            raise ValueError(f"num_compile_threads must be >= 1, got {self.num_compile_threads}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; each component receives only its own part."""
 
@@ -194,3 +213,4 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None
     """None: no speculative decoding."""
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)

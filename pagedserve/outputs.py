@@ -77,3 +77,6 @@ class RequestOutput:
     num_cached_tokens: int
     """Prompt tokens whose KV came from the prefix cache (of the first sequence)."""
     metrics: RequestMetrics
+    error: str | None = None
+    """Why the request failed before generating anything (e.g. its grammar did not compile);
+    its sequences then end with finish_reason "abort"."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -36,6 +37,23 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+class OutputConstraint(Protocol):
+    """A constrained request's grammar state, as the scheduler sees it: plain token ids in, yes or
+    no out. Implemented by structured_output/grammar.py (llguidance); the scheduler advances it
+    with every accepted token and finishes the request when it is terminated."""
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance over tokens the request emitted; False if the grammar rejected one."""
+
+    @property
+    def is_terminated(self) -> bool:
+        """Whether the grammar is complete and allows nothing more (or is in an error state)."""
+
+    def num_valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` (e.g. draft tokens) the grammar would accept in a row, from its
+        current state, without advancing."""
 
 
 @dataclass
@@ -76,6 +94,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens proposed after the last step, to verify in the next one. Not part of
     `all_token_ids` (they may be rejected), so never hashed into the prefix cache."""
+    constraint: OutputConstraint | None = None
+    """Grammar state when sampling_params.structured_outputs is set; the engine attaches it once
+    the grammar is compiled, before the request reaches the scheduler."""
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)
@@ -113,9 +134,13 @@ class Request:
     def check_stop(self, max_model_len: int) -> bool:
         """Finish the request if its last token ends it; returns True when it did.
 
-        Stop strings are matched on text by the output processor, not here.
+        Stop strings are matched on text by the output processor, not here. A finished grammar
+        is a stop ("stop"), even on the last token max_tokens allows: the output is complete.
         """
         params = self.sampling_params
+        if self.constraint is not None and self.constraint.is_terminated:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         if self.num_output_tokens >= params.min_tokens:
             last_token_id = self.output_token_ids[-1]
             if not params.ignore_eos and last_token_id in self.eos_token_ids:

@@ -8,6 +8,7 @@ these into tensors (sample/sampler.py, SamplingMetadata.build).
 from __future__ import annotations
 
 import copy
+import json as _json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,6 +22,90 @@ MAX_ABS_LOGIT_BIAS = 100.0
 """OpenAI's range for logit_bias values: [-100, 100]."""
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 """What torch.Generator.manual_seed accepts."""
+
+
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+"""Largest schema, regex or grammar text a request may carry (its JSON text for a schema)."""
+MAX_CHOICES = 1024
+"""Most strings a `choice` constraint may list."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names): exactly one field is set.
+
+    Pure data, checked for shape here; whether a schema, regex or grammar compiles is checked by
+    the structured output backend (structured_output/backend.py), which needs the tokenizer.
+    """
+
+    json: dict | str | None = None
+    """A JSON schema (a dict or its JSON text): the output is one JSON value that validates."""
+    json_object: bool | None = None
+    """True: the output is any JSON object."""
+    regex: str | None = None
+    """The whole output matches this regular expression (Rust `regex` syntax)."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A Lark grammar (llguidance's dialect) or a GBNF/EBNF one; the output is a sentence of it."""
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, "
+                             f"choice and grammar, got {given or 'none'}")
+        if self.json is not None:
+            if not isinstance(self.json, (dict, str)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object or its "
+                                 f"text, got {type(self.json).__name__}")
+            if isinstance(self.json, str) and not self.json.strip():
+                raise ValueError("structured_outputs.json must not be empty")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got "
+                             f"{self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise ValueError(f"structured_outputs.{name} must be a string")
+                if not value.strip():
+                    raise ValueError(f"structured_outputs.{name} must not be empty")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
+                                 "strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice has {len(self.choice)} strings; at "
+                                 f"most {MAX_CHOICES} are allowed")
+            self.choice = list(self.choice)
+        _, text = self.spec()
+        if len(text) > MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(f"structured_outputs is {len(text)} characters; at most "
+                             f"{MAX_STRUCTURED_SPEC_CHARS} are allowed")
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): the constraint as a hashable key, also what the backend compiles.
+
+        kind is "json", "regex", "choice" or "grammar"; a schema dict becomes its canonical JSON
+        text (sorted keys) so equal schemas share one compiled grammar."""
+        if self.json is not None:
+            if isinstance(self.json, str):
+                return "json", self.json
+            try:
+                return "json", _json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"structured_outputs.json is not JSON-serializable: {error}"
+                                 ) from None
+        if self.json_object:
+            return "json", '{"type":"object"}'
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        assert self.grammar is not None
+        return "grammar", self.grammar
 
 
 class SamplingType(IntEnum):
@@ -79,6 +164,9 @@ class SamplingParams:
     """Added to the logits of these token ids before sampling. String keys of digits (as OpenAI
     JSON sends them) are accepted and stored as ints; an empty dict is stored as None."""
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (None: free text). A dict
+    is accepted and stored as StructuredOutputsParams."""
 
     def __post_init__(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
@@ -129,6 +217,11 @@ class SamplingParams:
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -228,6 +228,16 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what llguidance builds its token trie from)."""
+        return self._tokenizer.to_str()
+
+    @property
+    def supports_tools_in_template(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (Qwen2.5's does; SmolLM2's
+        does not, so the server describes the tools in a system message instead)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._tokenizer.id_to_token(token_id) or ""
 

@@ -27,6 +27,7 @@ from pagedserve.core.outputs import (
     SchedulerOutput,
 )
 from pagedserve.request import Request, RequestStatus
+from pagedserve.structured_output.stats import StructuredOutputStats
 
 
 @dataclass
@@ -85,6 +86,8 @@ class SchedulerStats:
     num_generation_tokens: int
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     """Counters of speculative decoding (all zero when it is off)."""
+    structured_output: StructuredOutputStats = field(default_factory=StructuredOutputStats)
+    """Counters of constrained decoding; the engine fills them (its manager owns them)."""
 
 
 class Scheduler:
@@ -112,6 +115,12 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raise ValueError if it could never run on this engine."""
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError if `request` could never run on this engine (nothing is queued)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         # The last sampled token never gets KV: a request holds at most this many tokens' KV.
@@ -128,8 +137,6 @@ class Scheduler:
                 f"request needs {num_blocks_needed} KV blocks ({max_len} tokens) but the whole "
                 f"KV cache has {num_usable}; lower max_tokens or raise the KV cache memory"
             )
-        self.requests[request.request_id] = request
-        self._push_waiting(request)
 
     def _push_waiting(self, request: Request) -> None:
         if request.admission_order < 0:
@@ -309,6 +316,10 @@ class Scheduler:
             stopped = False
             for num_accepted, token_id in enumerate(new_token_ids, start=1):
                 request.append_output_token_ids([token_id])
+                if request.constraint is not None:
+                    # The runner masked every token the grammar forbids, so this only fails on
+                    # a bug; a failed grammar reports itself terminated and check_stop ends it.
+                    request.constraint.accept_tokens([token_id])
                 if request.check_stop(self.config.max_model_len):
                     stopped = True
                     new_token_ids = new_token_ids[:num_accepted]
@@ -352,7 +363,11 @@ class Scheduler:
             request.max_tokens - request.num_output_tokens,
             self.config.max_model_len - request.num_tokens,
         ) - 1
-        return spec_token_ids[: max(max_num_spec, 0)]
+        spec_token_ids = spec_token_ids[: max(max_num_spec, 0)]
+        if request.constraint is not None and spec_token_ids:
+            # A draft the grammar forbids would be rejected anyway; do not spend compute on it.
+            spec_token_ids = spec_token_ids[: request.constraint.num_valid_prefix(spec_token_ids)]
+        return spec_token_ids
 
     def finish_requests(
         self, req_ids: list[str], status: RequestStatus, stop_reason: int | str | None = None

@@ -15,6 +15,7 @@ from pagedserve.config import (
     EngineConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputConfig,
 )
 from pagedserve.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
 
@@ -75,6 +76,10 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     """Speculative decoding, vLLM's keys, as a dict or JSON: e.g. {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}."""
+    max_cached_grammars: int = 128
+    """Compiled structured output grammars kept (LRU)."""
+    grammar_compile_timeout: float = 10.0
+    """Seconds a request's grammar may take to compile before the request fails."""
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model)
@@ -109,6 +114,10 @@ class EngineArgs:
                 quantization=self.quantization,
             ),
             speculative=parse_speculative_config(self.speculative_config),
+            structured_output=StructuredOutputConfig(
+                max_cached_grammars=self.max_cached_grammars,
+                compile_timeout_s=self.grammar_compile_timeout,
+            ),
         )
 
     @classmethod

@@ -111,6 +111,9 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    # Failed before any token (its grammar did not compile): bad input.
+                    raise ValueError(item.error)
                 yield item
         finally:
             if not finished:

@@ -6,9 +6,11 @@ requests that share the prompt's KV blocks through the prefix cache.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,11 +22,24 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.outputs import OutputKind, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.tokenizer import Tokenizer
 from pagedserve.worker.model_runner import ModelRunner
 
 PromptType = str | Sequence[int] | dict[str, Any]
 """A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
+
+_GRAMMAR_POLL_SECONDS = 0.005
+"""With nothing to run but requests whose grammar compiles, how long a step waits for one."""
+
+
+@dataclass
+class _AwaitingGrammar:
+    """A request's sequences, held back from the scheduler until their grammar is compiled."""
+
+    requests: list[Request]
+    grammar: concurrent.futures.Future
+    deadline: float
 
 
 class LLMEngine:
@@ -46,6 +61,12 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, config.model.vocab_size, config.model.eos_token_ids,
+            config.structured_output,
+        )
+        self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
+        """Request id -> its sequences whose grammar is still compiling."""
         self._request_counter = itertools.count()
 
     @classmethod
@@ -129,18 +150,63 @@ class LLMEngine:
             )
             for seq_id, child in seq_params.items()
         ]
-        added = []
-        try:
-            for request in requests:
-                self.scheduler.add_request(request)
-                added.append(request.request_id)
-        except ValueError:
-            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
-            raise
+        for request in requests:
+            self.scheduler.check_request(request)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured_output_manager.request_grammar(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                self.structured_output_manager.compile_failed()
+                raise ValueError(str(grammar.exception()))
         self.output_processor.add_request(
             request_id, text, prompt_token_ids, seq_params, output_kind, arrival_time
         )
+        if grammar is not None and not grammar.done():
+            deadline = time.monotonic() + self.structured_output_manager.config.compile_timeout_s
+            self._awaiting_grammar[request_id] = _AwaitingGrammar(requests, grammar, deadline)
+        else:
+            self._schedule_requests(requests, grammar)
         return request_id
+
+    def _schedule_requests(
+        self, requests: list[Request], grammar: concurrent.futures.Future | None
+    ) -> None:
+        for request in requests:
+            if grammar is not None:
+                request.constraint = self.structured_output_manager.new_state(grammar.result())
+            self.scheduler.add_request(request)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand requests whose grammar is ready to the scheduler; fail those whose grammar did
+        not compile or ran past its budget. Returns the failed requests' final outputs."""
+        if not self._awaiting_grammar:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            # Nothing else to run: wait a moment for a compile rather than spin.
+            concurrent.futures.wait([a.grammar for a in self._awaiting_grammar.values()],
+                                    timeout=_GRAMMAR_POLL_SECONDS,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        failed = []
+        now = time.monotonic()
+        for request_id, awaiting in list(self._awaiting_grammar.items()):
+            error = None
+            if awaiting.grammar.done():
+                error = awaiting.grammar.exception()
+                if error is None:
+                    del self._awaiting_grammar[request_id]
+                    self._schedule_requests(awaiting.requests, awaiting.grammar)
+                    continue
+            elif now >= awaiting.deadline:
+                budget = self.structured_output_manager.config.compile_timeout_s
+                error = ValueError(f"the structured output grammar did not compile within the "
+                                   f"{budget:g} s budget")
+            if error is not None:
+                del self._awaiting_grammar[request_id]
+                self.structured_output_manager.compile_failed()
+                output = self.output_processor.fail_request(request_id, str(error))
+                if output is not None:
+                    failed.append(output)
+        return failed
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Abort requests (unknown or finished ids are ignored); returns their final outputs,
@@ -149,6 +215,7 @@ class LLMEngine:
             request_ids = [request_ids]
         final_outputs = []
         for request_id in request_ids:
+            self._awaiting_grammar.pop(request_id, None)
             seq_ids = self.output_processor.sequence_ids(request_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             output = self.output_processor.abort_request(request_id)
@@ -164,19 +231,30 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        failed_outputs = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        grammar_output = self.structured_output_manager.grammar_bitmask(
+            self.scheduler.requests, scheduler_output)
+        runner_output = self.model_runner.execute_model(scheduler_output, grammar_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)
         for seq_id, stop_str in processed.stopped_by_string.items():
             self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_str)
-        return processed.request_outputs
+        return failed_outputs + processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_awaiting_grammar(self) -> int:
+        """Requests held back while their grammar compiles."""
+        return len(self._awaiting_grammar)
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.num_waiting_reqs += len(self._awaiting_grammar)
+        stats.structured_output = self.structured_output_manager.stats()
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
@@ -191,6 +269,8 @@ class LLMEngine:
         problems = []
         if self.scheduler.has_unfinished_requests():
             problems.append(f"{len(self.scheduler.requests)} requests still queued")
+        if self._awaiting_grammar:
+            problems.append(f"{len(self._awaiting_grammar)} requests still await their grammar")
         if pool.num_free_blocks != pool.num_usable_blocks:
             problems.append(f"{pool.num_usable_blocks - pool.num_free_blocks} KV blocks still held")
         if self.output_processor.requests:

@@ -126,6 +126,13 @@ class OutputProcessor:
         self._forget(request_id)
         return output
 
+    def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
+        """Like abort_request, with the reason in the final output's `error`."""
+        output = self.abort_request(request_id)
+        if output is not None:
+            output.error = error
+        return output
+
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id)
         for seq_id in state.sequences:

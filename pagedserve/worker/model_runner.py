@@ -16,10 +16,12 @@ from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, Speculativ
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedserve.models import get_model_class
 from pagedserve.models.loader import iter_model_weights
+from pagedserve.sample.bitmask import apply_token_bitmask_
 from pagedserve.sample.rejection_sampler import RejectionSampler
 from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedserve.sampling_params import SamplingParams, SamplingType
 from pagedserve.spec_decode import create_proposer
+from pagedserve.structured_output.manager import GrammarOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -137,7 +139,10 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """grammar_output: bitmask rows of the constrained requests that sample this step."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
@@ -210,6 +215,11 @@ class ModelRunner:
             logits = self.model.compute_logits(
                 hidden_states[torch.tensor(logits_indices, device=device)]
             )
+            if grammar_output is not None:
+                self._apply_grammar_bitmask(
+                    logits, [states[i] for i in plain_rows + spec_rows], spec_tokens,
+                    grammar_output,
+                )
             if plain_rows:
                 self._sample(logits[: len(plain_rows)], [states[i] for i in plain_rows], output)
             if spec_rows:
@@ -227,6 +237,28 @@ class ModelRunner:
                 if drafts:
                     output.spec_token_ids[req_id] = drafts
         return output
+
+    def _apply_grammar_bitmask(
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        spec_tokens: dict[str, list[int]],
+        grammar_output: GrammarOutput,
+    ) -> None:
+        """Mask the constrained requests' logits rows, in place. `states` are in logits order;
+        each has 1 + len(drafts) rows, as in grammar_output's bitmask."""
+        logits_rows, mask_rows = [], []
+        row = 0
+        for state in states:
+            num_rows = 1 + len(spec_tokens.get(state.req_id, ()))
+            first_mask_row = grammar_output.first_row.get(state.req_id)
+            if first_mask_row is not None:
+                logits_rows.extend(range(row, row + num_rows))
+                mask_rows.extend(range(first_mask_row, first_mask_row + num_rows))
+            row += num_rows
+        if logits_rows:
+            bitmask = torch.from_numpy(grammar_output.bitmask[mask_rows])
+            apply_token_bitmask_(logits, logits_rows, bitmask)
 
     def _verify_drafts(
         self,
