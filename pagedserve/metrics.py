@@ -27,6 +27,10 @@ INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0
                        0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                           2.5, 5.0, 10.0, 30.0)
+GRAMMAR_MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                        0.1, 0.25, 0.5, 1.0)
 FINISH_REASONS = ("stop", "length", "abort")
 """Pre-created `request_success_total` series, so they read 0 rather than being absent."""
 
@@ -132,6 +136,19 @@ class PrometheusStatLogger:
         }
         self._latency = {name: histogram(f"{name}_seconds", doc, REQUEST_LATENCY_BUCKETS)
                          for name, doc in latency_histograms.items()}
+        self.structured_output_requests = counter(
+            "structured_output_requests", "Sequences that ran with a structured output constraint "
+            "(JSON schema, regex, choice, grammar or a forced tool call).")
+        self.grammar_compile_failures = counter(
+            "grammar_compile_failures", "Requests failed because their grammar did not compile "
+            "or ran past the compile budget.")
+        self.grammar_compile_time = histogram(
+            "grammar_compile_time_seconds", "Time to compile one structured output grammar "
+            "(cache misses only).", GRAMMAR_COMPILE_BUCKETS)
+        self.grammar_mask_time = histogram(
+            "grammar_mask_time_seconds", "Per engine step with constrained rows: time to fill "
+            "their token bitmasks.", GRAMMAR_MASK_BUCKETS)
+        self._structured_seen = {"requests": 0, "failures": 0, "compiles": 0, "masks": 0}
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt tokens per finished request.", token_buckets)
@@ -155,6 +172,27 @@ class PrometheusStatLogger:
                 # behind this logger); Prometheus counts that as a reset, so all of it is new.
                 counter.inc(value - last if value >= last else value)
                 self._last_counter_values[field_name] = value
+            self._record_structured_output(stats.structured_output)
+
+    def _record_structured_output(self, stats) -> None:
+        """Counters grow by their totals' growth; each timing is observed once (by number)."""
+        seen = self._structured_seen
+
+        def grow(key: str, total: int) -> int:
+            new = total - seen[key] if total >= seen[key] else total  # restarted engine
+            seen[key] = total
+            return new
+
+        self.structured_output_requests.inc(grow("requests", stats.num_constrained_requests))
+        self.grammar_compile_failures.inc(grow("failures", stats.num_compile_failures))
+        for histogram, key, total, recent in (
+                (self.grammar_compile_time, "compiles", stats.num_compiles,
+                 stats.recent_compile_seconds),
+                (self.grammar_mask_time, "masks", stats.num_mask_steps,
+                 stats.recent_mask_seconds)):
+            num_new = min(grow(key, total), len(recent))
+            for seconds in recent[len(recent) - num_new:]:
+                histogram.observe(seconds)
 
     def record_output(self, output: RequestOutput, now: float) -> None:
         """Account one DELTA output: each CompletionOutput's token_ids are only its new tokens."""

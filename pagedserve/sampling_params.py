@@ -218,6 +218,9 @@ class SamplingParams:
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown keys {sorted(unknown)}")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, got "

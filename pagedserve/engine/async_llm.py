@@ -22,7 +22,7 @@ from pagedserve.core.scheduler import SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.outputs import OutputKind, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,11 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._submit(lambda: self._abort(request_id))
+
+    def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Raise ValueError saying what is wrong unless the constraint compiles. Thread-safe and
+        off the engine thread: the server checks a request before it is queued."""
+        self.engine.structured_output_manager.validate(params)
 
     async def abort(self, request_id: str) -> None:
         await self._call(lambda: self._abort(request_id))

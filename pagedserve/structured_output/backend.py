@@ -14,6 +14,9 @@ import llguidance
 
 from pagedserve.tokenizer import Tokenizer
 
+JSON_WHITESPACE = r"[\x20\x0A\x09]{0,16}"
+"""Whitespace allowed between JSON tokens. Bounded: unbounded whitespace lets a small model
+emit newlines until max_tokens (a known failure of JSON-constrained decoding)."""
 MAX_ERROR_CHARS = 600
 """llguidance quotes the grammar in its messages; keep what reaches a client readable."""
 
@@ -54,7 +57,8 @@ class LLGuidanceBackend:
         try:
             if kind == "json":
                 json.loads(text)  # a clearer message than llguidance's for broken JSON
-                return llguidance.LLMatcher.grammar_from_json_schema(text)
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    text, defaults={"whitespace_pattern": JSON_WHITESPACE})
             if kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(text)
             if kind == "choice":

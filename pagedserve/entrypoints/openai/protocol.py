@@ -7,6 +7,7 @@ are checked in serving.py.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -20,6 +21,10 @@ MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_PROMPTS = 64
 """Most prompts, and most prompts times n, in one completion request."""
+MAX_TOOLS = 128
+"""Most tools one chat request may offer (OpenAI allows 128)."""
+MAX_TOOLS_JSON_CHARS = 256 * 1024
+"""Most characters the tools' definitions may take as JSON (they become prompt and grammar)."""
 
 
 class RequestModel(BaseModel):
@@ -37,6 +42,30 @@ class ResponseModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+
+
+class JsonSchemaFormat(RequestModel):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON fitting a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class GenerationRequest(RequestModel):
@@ -69,6 +98,9 @@ class GenerationRequest(RequestModel):
     cache_salt: str | None = Field(default=None, min_length=1)
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     """Echoed as the response id; the engine always gets a fresh id of its own."""
+    # constrained output
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -123,10 +155,28 @@ class TextContentPart(RequestModel):
     text: str
 
 
+class FunctionCallIn(RequestModel):
+    name: str
+    arguments: str
+    """JSON text, as the API returned it."""
+
+
+class ToolCallIn(RequestModel):
+    """A tool call of an earlier assistant turn, sent back with the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    """assistant: the calls it made."""
+    tool_call_id: str | None = None
+    """tool: which call this message answers."""
 
     @field_validator("content", mode="before")
     @classmethod
@@ -144,12 +194,51 @@ class ChatMessage(RequestModel):
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object (None: any object)."""
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: "auto" when tools are given, else "none"."""
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _check_tools_size(cls, value: Any) -> Any:
+        # Before parsing: 10,000 tools should cost a length check, not 10,000 models.
+        if isinstance(value, list):
+            if len(value) > MAX_TOOLS:
+                raise ValueError(f"at most {MAX_TOOLS} tools are allowed, got {len(value)}")
+            size = len(json.dumps(value, default=str))
+            if size > MAX_TOOLS_JSON_CHARS:
+                raise ValueError(f"the tools' definitions take {size} characters as JSON; at "
+                                 f"most {MAX_TOOLS_JSON_CHARS} are allowed")
+        return value
 
 
 class TokenizeRequest(RequestModel):
@@ -242,9 +331,22 @@ class ChatLogProbs(ResponseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str
+    """The arguments object as JSON text."""
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(ResponseModel):
@@ -264,9 +366,32 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
 
 
+class _SparseModel(ResponseModel):
+    """Serialized without its None fields: stream deltas carry only what changed."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_SparseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_SparseModel):
+    """The first delta of a call carries its id, type and name; later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

@@ -23,8 +23,17 @@ from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineDrainin
 from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
 from pagedserve.entrypoints.openai.generation import EventStream, Generation
+from pagedserve.entrypoints.openai.tool_parsers import (
+    ToolCallStreamer,
+    ToolParser,
+    new_tool_call_id,
+)
+from pagedserve.entrypoints.openai.tool_prompts import ToolPlan, plan_tools, template_messages
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+GRAMMAR_VALIDATION_TIMEOUT_S = 10.0
+"""A constraint that takes longer than this to check is refused (400)."""
 
 MIN_LOGPROB = -9999.0
 """-inf (a token the sampler ruled out) is not valid JSON; vLLM sends this instead."""
@@ -63,6 +72,8 @@ class _Choice:
     """Characters already streamed (completion logprobs' text_offset continues from here)."""
     started: bool = False
     """Whether a chunk was streamed for it yet (echo goes into the first one)."""
+    tool_streamer: ToolCallStreamer | None = None
+    """Chat with tools, streaming: turns the text so far into content and tool-call deltas."""
 
     def add(self, completion: CompletionOutput) -> None:
         self.text_parts.append(completion.text)
@@ -200,12 +211,13 @@ class _ChatFormat:
     """/v1/chat/completions: an assistant message per choice, role delta first when streaming."""
 
     def __init__(self, serving: OpenAIServing, request: p.ChatCompletionRequest,
-                 response_id: str) -> None:
+                 response_id: str, tool_parser: ToolParser | None = None) -> None:
         self.serving = serving
         self.request = request
         self.response_id = response_id
         self.created = int(time.time())
         self.num_top_logprobs = request.top_logprobs or 0
+        self.tool_parser = tool_parser
 
     def _logprobs(self, token_ids: list[int], positions) -> p.ChatLogProbs | None:
         if not self.request.logprobs:
@@ -223,13 +235,27 @@ class _ChatFormat:
                       completion: CompletionOutput, choice: _Choice
                       ) -> p.ChatCompletionStreamChoice | None:
         text, token_ids = completion.text, completion.token_ids
-        if not text and completion.finish_reason is None and not (self.request.logprobs
-                                                                   and token_ids):
+        finish_reason = completion.finish_reason
+        tool_deltas = None
+        if self.tool_parser is not None:
+            if choice.tool_streamer is None:
+                choice.tool_streamer = ToolCallStreamer(self.tool_parser)
+            delta = choice.tool_streamer.update(text, final=finish_reason is not None)
+            text = delta.content
+            tool_deltas = [
+                p.DeltaToolCall(
+                    index=d.index, id=d.id, type="function" if d.id else None,
+                    function=p.DeltaFunctionCall(name=d.name, arguments=d.arguments))
+                for d in delta.tool_calls] or None
+            if finish_reason == "stop" and choice.tool_streamer.num_calls_sent:
+                finish_reason = "tool_calls"
+        if (not text and not tool_deltas and finish_reason is None
+                and not (self.request.logprobs and token_ids)):
             return None
         return p.ChatCompletionStreamChoice(
-            index=index, delta=p.DeltaMessage(content=text or None),
+            index=index, delta=p.DeltaMessage(content=text or None, tool_calls=tool_deltas),
             logprobs=self._logprobs(token_ids, completion.logprobs),
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+            finish_reason=finish_reason, stop_reason=completion.stop_reason)
 
     def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel:
         return p.ChatCompletionStreamResponse(id=self.response_id, created=self.created,
@@ -238,10 +264,21 @@ class _ChatFormat:
 
     def final_choice(self, index: int, prompt_index: int, choice: _Choice,
                      prompt_output: RequestOutput) -> p.ChatCompletionChoice:
+        text = "".join(choice.text_parts)
+        finish_reason = choice.finish_reason
+        message = p.ChatResponseMessage(content=text)
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.parse(text, final=True)
+            calls = [p.ToolCall(id=new_tool_call_id(),
+                                function=p.FunctionCall(name=call.name, arguments=call.arguments))
+                     for call in parsed.calls]
+            message = p.ChatResponseMessage(content=parsed.content or None, tool_calls=calls)
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
         return p.ChatCompletionChoice(
-            index=index, message=p.ChatResponseMessage(content="".join(choice.text_parts)),
+            index=index, message=message,
             logprobs=self._logprobs(choice.token_ids, choice.logprobs),
-            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+            finish_reason=finish_reason, stop_reason=choice.stop_reason)
 
     def response(self, choices: list, usage: p.UsageInfo) -> BaseModel:
         return p.ChatCompletionResponse(id=self.response_id, created=self.created,
@@ -290,8 +327,10 @@ class OpenAIServing:
             raise bad_request(f"n ({request.n}) times the number of prompts ({len(prompts)}) "
                               f"must be at most {p.MAX_PROMPTS}", "n")
         echo_logprobs = request.logprobs if request.echo else None
+        constraint = await self._structured_outputs(request)
         params = [self._sampling_params(request, prompt, request.max_tokens, default_max_tokens=16,
-                                        logprobs=request.logprobs, prompt_logprobs=echo_logprobs)
+                                        logprobs=request.logprobs, prompt_logprobs=echo_logprobs,
+                                        structured_outputs=constraint)
                   for prompt in prompts]
         response_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         fmt = _CompletionFormat(self, request, response_id, prompts)
@@ -303,14 +342,22 @@ class OpenAIServing:
         self._check_common(request)
         if request.top_logprobs and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-        prompt = await self._chat_prompt(request.messages, request.add_generation_prompt)
+        try:
+            tool_plan = plan_tools(request)
+        except ValueError as error:
+            raise bad_request(str(error), "tool_choice" if request.tools else "tools") from None
+        constraint = await self._structured_outputs(request, tool_plan)
+        prompt = await self._chat_prompt(request.messages, request.add_generation_prompt,
+                                         tool_plan.tools_in_prompt)
         max_tokens = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = [self._sampling_params(request, prompt, max_tokens, logprobs=logprobs,
-                                        max_tokens_param=param, prompt_param="messages")]
+                                        max_tokens_param=param, prompt_param="messages",
+                                        structured_outputs=constraint)]
         response_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        return await self._run(request, [prompt], params, _ChatFormat(self, request, response_id))
+        fmt = _ChatFormat(self, request, response_id, tool_plan.parser)
+        return await self._run(request, [prompt], params, fmt)
 
     async def tokenize(self, request: p.TokenizeRequest) -> p.TokenizeResponse:
         self.check_model(request.model)
@@ -349,14 +396,14 @@ class OpenAIServing:
             self._check_token_ids(prompt_input.token_ids, "prompt")
         return prompts
 
-    async def _chat_prompt(self, messages: list[p.ChatMessage],
-                           add_generation_prompt: bool) -> PromptInput:
-        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in messages]
+    async def _chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
+                           tools: list[p.ChatTool] | None = None) -> PromptInput:
+        conversation, template_tools = template_messages(
+            messages, tools, self.tokenizer.supports_tools_in_template)
 
         def render() -> tuple[str, list[int]]:
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt)
+                conversation, add_generation_prompt=add_generation_prompt, tools=template_tools)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
 
         try:
@@ -380,6 +427,52 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
+    async def _structured_outputs(self, request: p.GenerationRequest,
+                                  tool_plan: ToolPlan | None = None
+                                  ) -> StructuredOutputsParams | None:
+        """The request's constraint (response_format, structured_outputs or a forced tool call),
+        checked to compile before anything is scheduled; 400 says what is wrong."""
+        sources = []
+        if request.response_format is not None and request.response_format.type != "text":
+            sources.append("response_format")
+        if request.structured_outputs is not None:
+            sources.append("structured_outputs")
+        if tool_plan is not None and tool_plan.constraint is not None:
+            sources.append("tool_choice")
+        if len(sources) > 1:
+            raise bad_request(f"give only one of {' and '.join(sources)}", sources[-1])
+        if not sources:
+            return None
+        param = sources[0]
+        try:
+            if param == "tool_choice":
+                constraint = tool_plan.constraint
+            elif param == "structured_outputs":
+                so = request.structured_outputs
+                constraint = StructuredOutputsParams(json=so.json_, json_object=so.json_object,
+                                                     regex=so.regex, choice=so.choice,
+                                                     grammar=so.grammar)
+            elif request.response_format.type == "json_object":
+                constraint = StructuredOutputsParams(json_object=True)
+            else:
+                json_schema = request.response_format.json_schema
+                if json_schema is None or json_schema.schema_ is None:
+                    raise ValueError('response_format of type "json_schema" needs '
+                                     '{"json_schema": {"name": ..., "schema": {...}}}')
+                constraint = StructuredOutputsParams(json=json_schema.schema_)
+        except ValueError as error:
+            raise bad_request(str(error), param) from None
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(self.async_llm.validate_structured_outputs, constraint),
+                GRAMMAR_VALIDATION_TIMEOUT_S)
+        except TimeoutError:
+            raise bad_request(f"{param}: the constraint took longer than "
+                              f"{GRAMMAR_VALIDATION_TIMEOUT_S:g} s to compile", param) from None
+        except ValueError as error:
+            raise bad_request(f"{param}: {error}", param) from None
+        return constraint
+
     def _sampling_params(
         self,
         request: p.GenerationRequest,
@@ -391,6 +484,7 @@ class OpenAIServing:
         prompt_logprobs: int | None = None,
         max_tokens_param: str = "max_tokens",
         prompt_param: str = "prompt",
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         num_prompt_tokens = len(prompt.token_ids)
         room = self.max_model_len - num_prompt_tokens
@@ -429,6 +523,7 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logit_bias=self._logit_bias(request.logit_bias),
+                structured_outputs=structured_outputs,
             )
         except ValueError as error:
             # SamplingParams names the offending field first: "top_p must be in (0, 1], got 0".
