@@ -247,7 +247,7 @@ class _ChatFormat:
                     index=d.index, id=d.id, type="function" if d.id else None,
                     function=p.DeltaFunctionCall(name=d.name, arguments=d.arguments))
                 for d in delta.tool_calls] or None
-            if finish_reason == "stop" and choice.tool_streamer.num_calls_sent:
+            if finish_reason == "stop" and delta.num_calls:
                 finish_reason = "tool_calls"
         if (not text and not tool_deltas and finish_reason is None
                 and not (self.request.logprobs and token_ids)):

@@ -146,6 +146,11 @@ def _held_back(text: str, marker: str) -> int:
 class HermesToolParser:
     """tool_choice "auto": content, then `<tool_call>...</tool_call>` blocks."""
 
+    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+        """tool_names: the functions offered; a call to any other makes the output plain text
+        (nothing a client could dispatch). None accepts any name."""
+        self.tool_names = tool_names
+
     def parse(self, text: str, final: bool) -> ParsedOutput:
         start = text.find(TOOL_CALL_START)
         if start < 0:
@@ -160,9 +165,15 @@ class HermesToolParser:
             body = segment[:end] if closed else segment
             if not closed and not final:
                 body = body[: len(body) - _held_back(body, TOOL_CALL_END)]
-            calls.append(parse_call_object(body, final or closed))
+            call = parse_call_object(body, final or closed)
+            if (not final and call.name is not None and self.tool_names is not None
+                    and call.name not in self.tool_names):
+                break  # the final parse will call this text: stream no call for it
+            calls.append(call)
         content = text[:start]
-        if final and not all(call.is_valid() for call in calls):
+        if final and not all(call.is_valid() and (self.tool_names is None
+                                                  or call.name in self.tool_names)
+                             for call in calls):
             # Not the format we asked for: it is text after all.
             return ParsedOutput(text)
         return ParsedOutput(content, calls)
@@ -222,6 +233,8 @@ class ToolCallDelta:
 class StreamDelta:
     content: str
     tool_calls: list[ToolCallDelta]
+    num_calls: int
+    """Calls in the text so far (on the final update: what the full response reports)."""
 
 
 class ToolCallStreamer:
@@ -259,4 +272,4 @@ class ToolCallStreamer:
                     deltas[-1].arguments = new_arguments
                 else:
                     deltas.append(ToolCallDelta(index, arguments=new_arguments))
-        return StreamDelta(content, deltas)
+        return StreamDelta(content, deltas, len(parsed.calls))

@@ -145,7 +145,7 @@ def plan_tools(request: p.ChatCompletionRequest) -> ToolPlan:
     if choice == "none":
         return ToolPlan(None, None, None)
     if choice == "auto":
-        return ToolPlan(tools, HermesToolParser(), None)
+        return ToolPlan(tools, HermesToolParser(frozenset(names)), None)
     if choice == "required":
         call_schemas = [{
             "type": "object",
