@@ -39,7 +39,11 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; a single string, token-id list or dict is one prompt."""
+        """Run prompts to completion; a single string, token-id list or dict is one prompt.
+
+        A request whose grammar does not compile within the engine's budget comes back with
+        `error` set and finish_reason "abort"; the others are unaffected.
+        """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -52,6 +56,11 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        # Offline there is no loop to keep serving: check constraints up front, so that a bad
+        # one raises here (like any bad parameter) instead of failing its request later.
+        for params in {id(p): p for p in params_list if p is not None}.values():
+            if params.structured_outputs is not None:
+                self.engine.structured_output_manager.validate(params.structured_outputs)
         request_ids = []
         try:
             for prompt, params, prio in zip(prompts, params_list, priorities):
