@@ -203,3 +203,30 @@ def test_concurrent_recording_and_scraping():
 def test_token_buckets():
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert build_1_2_5_buckets(4096)[-1] == 2000
+
+
+def test_structured_output_metrics():
+    from pagedserve.structured_output import StructuredOutputStats
+
+    stat_logger = PrometheusStatLogger(MODEL)
+    first = stats()
+    first.structured_output = StructuredOutputStats(
+        num_constrained_requests=3, num_compiles=2, num_compile_failures=1,
+        recent_compile_seconds=(0.002, 0.2), num_mask_steps=3,
+        recent_mask_seconds=(0.0001, 0.0002, 0.0003))
+    stat_logger.record_step(first, 0.0)
+    stat_logger.record_step(first, 1.0)  # nothing new: nothing counted twice
+    second = stats()
+    second.structured_output = StructuredOutputStats(
+        num_constrained_requests=5, num_compiles=3, num_compile_failures=1,
+        recent_compile_seconds=(0.002, 0.2, 0.004), num_mask_steps=4,
+        recent_mask_seconds=(0.0001, 0.0002, 0.0003, 0.03))
+    stat_logger.record_step(second, 2.0)
+    samples = scrape(stat_logger)
+    assert samples[("pagedserve:structured_output_requests_total",)] == 5
+    assert samples[("pagedserve:grammar_compile_failures_total",)] == 1
+    assert samples[("pagedserve:grammar_compile_time_seconds_count",)] == 3
+    assert samples[("pagedserve:grammar_compile_time_seconds_sum",)] == pytest.approx(0.206)
+    assert samples[("pagedserve:grammar_compile_time_seconds_bucket", ("le", "0.0025"))] == 1
+    assert samples[("pagedserve:grammar_mask_time_seconds_count",)] == 4
+    assert samples[("pagedserve:grammar_mask_time_seconds_sum",)] == pytest.approx(0.0306)

@@ -12,7 +12,6 @@ import threading
 import jsonschema
 import pytest
 
-from pagedserve.request import RequestStatus
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags"],
@@ -58,10 +57,10 @@ def test_spec_decoding_keeps_constrained_greedy_output(make_llm):
     # A prompt that spells out the JSON gives the n-gram proposer drafts to offer.
     prompts = [f'Example: {{"name": "rose", "tags": ["red", "green"]}}\nNow {thing} as JSON:'
                for thing in ("a tulip", "a violet", "a fern")]
-    plain = llm_plain = make_llm().generate(prompts, JSON_PARAMS)
+    plain = make_llm().generate(prompts, JSON_PARAMS)
     speculative_llm = make_llm(speculative_config=spec)
     speculated = speculative_llm.generate(prompts, JSON_PARAMS)
-    assert token_ids(speculated) == token_ids(llm_plain)
+    assert token_ids(speculated) == token_ids(plain)
     assert speculative_llm.engine.get_stats().spec_decoding.num_accepted_tokens > 0
     for output in plain:
         jsonschema.validate(json.loads(output.outputs[0].text), SCHEMA)
@@ -146,4 +145,3 @@ def test_abort_while_grammar_compiles(make_llm, monkeypatch):
         assert not llm.engine.has_unfinished_requests()
     finally:
         slow.release.set()
-    assert RequestStatus.FINISHED_ABORTED.finish_reason == "abort"

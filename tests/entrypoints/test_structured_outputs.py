@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import jsonschema
@@ -304,3 +305,28 @@ def test_flood_of_distinct_schemas(server, http):
     assert probe_response.json()["choices"][0]["text"] == before
     assert manager.num_cached_grammars <= manager.config.max_cached_grammars
     assert manager.stats().num_compiles - compiles_before == 500
+
+
+def test_metrics_count_constrained_requests(http):
+    def value(text: str, name: str) -> float:
+        match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    before = http.get("/metrics").text
+    response = http.post("/v1/completions", json={
+        "model": MODEL_NAME, "prompt": "Count:", "max_tokens": 8, "n": 2,
+        "structured_outputs": {"regex": "[0-9]{1,3} metrics"}})
+    assert response.status_code == 200
+    after = http.get("/metrics").text
+    for _ in range(100):  # the engine thread records after the step that finished the request
+        if value(after, "pagedserve:structured_output_requests_total") >= value(
+                before, "pagedserve:structured_output_requests_total") + 2:
+            break
+        time.sleep(0.05)
+        after = http.get("/metrics").text
+    assert value(after, "pagedserve:structured_output_requests_total") >= value(
+        before, "pagedserve:structured_output_requests_total") + 2
+    assert value(after, "pagedserve:grammar_compile_time_seconds_count") > value(
+        before, "pagedserve:grammar_compile_time_seconds_count")
+    assert value(after, "pagedserve:grammar_mask_time_seconds_count") > value(
+        before, "pagedserve:grammar_mask_time_seconds_count")
