@@ -4,6 +4,9 @@ Optionally runs Hugging Face transformers on the same GGUF and the same prompt t
 same process (static batches, left padding) as a baseline. Knows nothing about the server.
 
     python -m pagedserve.benchmarks.throughput --num-prompts 32 --input-len 200 --output-len 128
+
+With --structured-fraction F, the same batch runs twice, unconstrained and with a fraction F of
+its requests JSON-constrained, and the table compares them (throughput ratio, mask ms per step).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pagedserve.benchmarks.datasets import (
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 WARMUP_PROMPT_LEN = 8
 WARMUP_OUTPUT_LEN = 4
@@ -44,6 +47,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hf-batch-size", type=int, default=None,
                        help="prompts per transformers generate() call (default: all)")
     group.add_argument("--output-json", type=str, default=None, help="write all results here")
+    group = parser.add_argument_group("structured outputs")
+    group.add_argument("--structured-fraction", type=float, default=0.0,
+                       help="also run the batch with this fraction of its requests "
+                            "JSON-constrained (0: off), and compare")
+    group.add_argument("--json-schema", type=str, default=None,
+                       help="the constraint: a JSON schema file or inline JSON (default: an "
+                            "array of integers long enough that every request runs "
+                            "--output-len tokens, as the unconstrained ones do)")
     EngineArgs.add_cli_args(parser)
 
 
@@ -70,18 +81,66 @@ def _safe_div(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
 
 
-def run_pagedserve(llm: LLM, workload: Workload) -> tuple[dict[str, Any], list[list[int]]]:
-    """Time one generate() over the whole workload; returns (metrics, output token ids)."""
+def default_json_schema(output_len: int) -> dict[str, Any]:
+    """An array that cannot close within output_len tokens (each item takes at least one digit
+    and a comma): constrained requests then run exactly as long as unconstrained ones, so the
+    two runs differ only in the constraint's cost."""
+    return {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+            "minItems": output_len}
+
+
+def load_json_schema(value: str) -> dict[str, Any]:
+    """--json-schema: a file's path or the schema's JSON text."""
+    text = value
+    if not value.lstrip().startswith("{"):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    try:
+        schema = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"--json-schema is not valid JSON: {error}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("--json-schema must be a JSON object")
+    return schema
+
+
+def constrained_rows(num_requests: int, fraction: float) -> list[bool]:
+    """Which requests are constrained: round(fraction * n) of them, spread evenly."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"--structured-fraction must be in [0, 1], got {fraction}")
+    return [int((index + 1) * fraction + 0.5) > int(index * fraction + 0.5)
+            for index in range(num_requests)]
+
+
+def run_pagedserve(
+    llm: LLM, workload: Workload, constraint: StructuredOutputsParams | None = None,
+    fraction: float = 0.0,
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Time one generate() over the whole workload; returns (metrics, output token ids).
+
+    With a constraint, a `fraction` of the requests carry it (its grammar is compiled in the
+    warmup, so the timing holds the per-step cost, not the one-off compile)."""
     tokenizer = llm.get_tokenizer()
     warmup_ids = list(range(NUM_SPECIAL_MARGIN, NUM_SPECIAL_MARGIN + WARMUP_PROMPT_LEN))
     assert max(warmup_ids) < tokenizer.vocab_size
     llm.generate({"prompt_token_ids": warmup_ids}, _fixed_length_params(WARMUP_OUTPUT_LEN))
+    plain_params = _fixed_length_params(workload.output_len)
+    params_list = [plain_params] * len(workload.prompt_token_ids)
+    if constraint is not None:
+        constrained_params = SamplingParams(temperature=0, ignore_eos=True,
+                                            max_tokens=workload.output_len,
+                                            structured_outputs=constraint)
+        llm.generate({"prompt_token_ids": warmup_ids},
+                     SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN,
+                                    structured_outputs=constraint))
+        params_list = [constrained_params if constrained else plain_params
+                       for constrained in constrained_rows(len(params_list), fraction)]
     llm.engine.reset_prefix_cache()
 
     stats_before = llm.engine.get_stats()
     prompts = [{"prompt_token_ids": ids} for ids in workload.prompt_token_ids]
     start = time.monotonic()
-    outputs = llm.generate(prompts, _fixed_length_params(workload.output_len))
+    outputs = llm.generate(prompts, params_list)
     elapsed = time.monotonic() - start
     stats_after = llm.engine.get_stats()
 
@@ -100,6 +159,18 @@ def run_pagedserve(llm: LLM, workload: Workload) -> tuple[dict[str, Any], list[l
         "num_preemptions": stat_delta("num_preemptions"),
         "num_threads": torch.get_num_threads(),
     }
+    if constraint is not None:
+        so_before, so_after = stats_before.structured_output, stats_after.structured_output
+        num_mask_steps = so_after.num_mask_steps - so_before.num_mask_steps
+        mask_seconds = so_after.mask_seconds_total - so_before.mask_seconds_total
+        metrics.update(
+            num_constrained_requests=sum(p is not plain_params for p in params_list),
+            num_mask_steps=num_mask_steps,
+            mask_ms_per_step=_safe_div(mask_seconds * 1000, num_mask_steps),
+            mask_share_of_elapsed=mask_seconds / elapsed,
+            num_constrained_finished_early=sum(
+                out.outputs[0].finish_reason == "stop" for out in outputs),
+        )
     metrics.update(_phase_metrics(outputs, start, num_prompt_tokens_computed))
     return metrics, [out.outputs[0].token_ids for out in outputs]
 
@@ -204,6 +275,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     model_path = llm.engine.config.model_path
     workload = make_workload(args, llm.get_tokenizer().vocab_size)
     ours, our_output_ids = run_pagedserve(llm, workload)
+    structured = None
+    if args.structured_fraction > 0:
+        schema = (load_json_schema(args.json_schema) if args.json_schema
+                  else default_json_schema(workload.output_len))
+        structured, _ = run_pagedserve(llm, workload, StructuredOutputsParams(json=schema),
+                                       args.structured_fraction)
+        structured["output_tokens_per_s_ratio_to_unconstrained"] = (
+            structured["output_tokens_per_s"] / ours["output_tokens_per_s"])
+        structured["structured_fraction"] = args.structured_fraction
+        structured["json_schema"] = schema
     del llm  # free the KV pool before loading a second copy of the weights
     gc.collect()
 
@@ -222,6 +303,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "load_average_1min_start": load_average_start,
         },
         "pagedserve": ours,
+        "structured": structured,
         "hf": None,
         "output_tokens_per_s_ratio": None,
     }
@@ -290,6 +372,17 @@ def format_table(result: dict[str, Any]) -> str:
                 else:
                     cells.append(number(value, fmt))
         lines.append(f"{label:<{width}}" + "".join(f"{cell:>14}" for cell in cells))
+    structured = result.get("structured")
+    if structured:
+        lines.append(
+            f"structured outputs: {structured['num_constrained_requests']} of "
+            f"{structured['num_requests']} requests JSON-constrained: output tokens/s "
+            f"{structured['output_tokens_per_s']:.1f} vs {ours['output_tokens_per_s']:.1f} "
+            f"unconstrained (ratio {structured['output_tokens_per_s_ratio_to_unconstrained']:.2f}"
+            f"); mask {number(structured['mask_ms_per_step'], '.2f')} ms/step over "
+            f"{structured['num_mask_steps']} steps ({structured['mask_share_of_elapsed']:.1%} "
+            f"of the time); {structured['num_constrained_finished_early']} finished before "
+            "--output-len")
     if hf:
         lines.append(f"{'hf batch size':<{width}}{'':>14}{hf['batch_size']:>14}")
         lines.append(f"{'outputs identical to ours':<{width}}{'':>14}"

@@ -108,3 +108,28 @@ def test_workload_is_deterministic_and_avoids_special_ids():
     assert len(prompts) == 6 and all(len(p) == 25 for p in prompts)
     # Interleaved across documents: d0, d1, d0, d1, ...
     assert prompts[0][:20] == prompts[2][:20] != prompts[1][:20] == prompts[3][:20]
+
+
+@pytest.mark.slow
+def test_structured_fraction_compares_constrained_and_not(run_bench, capsys):
+    result = run_bench("--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+                       "--structured-fraction", "0.5")
+    check_ours(result, num_prompts=4, output_len=8)
+    structured = result["structured"]
+    assert structured["num_constrained_requests"] == 2
+    # The default schema cannot close within --output-len: same token counts as unconstrained.
+    assert structured["num_output_tokens"] == 4 * 8
+    assert structured["num_constrained_finished_early"] == 0
+    assert structured["num_mask_steps"] >= 8 and structured["mask_ms_per_step"] > 0
+    assert structured["output_tokens_per_s_ratio_to_unconstrained"] == pytest.approx(
+        structured["output_tokens_per_s"] / result["pagedserve"]["output_tokens_per_s"])
+    assert "JSON-constrained" in capsys.readouterr().out
+
+
+def test_constrained_rows_are_spread_evenly():
+    assert throughput.constrained_rows(4, 0.5) == [True, False, True, False]
+    assert sum(throughput.constrained_rows(32, 0.5)) == 16
+    assert throughput.constrained_rows(3, 0.0) == [False] * 3
+    assert throughput.constrained_rows(3, 1.0) == [True] * 3
+    with pytest.raises(ValueError, match="structured-fraction"):
+        throughput.constrained_rows(3, 1.5)
