@@ -15,6 +15,7 @@ _EXPORTS = {
     "LLMEngine": "pagedserve.engine.llm_engine",
     "EngineArgs": "pagedserve.engine.arg_utils",
     "SamplingParams": "pagedserve.sampling_params",
+    "StructuredOutputsParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "OutputKind": "pagedserve.outputs",

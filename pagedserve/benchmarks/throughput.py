@@ -281,8 +281,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                   else default_json_schema(workload.output_len))
         structured, _ = run_pagedserve(llm, workload, StructuredOutputsParams(json=schema),
                                        args.structured_fraction)
+        # NOTE: the first run is cold (the KV pool's pages are touched for the first time, and
+        # it ran first under whatever else the machine did): compare with an unconstrained run
+        # made right after the constrained one instead.
+        unconstrained, _ = run_pagedserve(llm, workload)
+        structured["unconstrained_output_tokens_per_s"] = unconstrained["output_tokens_per_s"]
         structured["output_tokens_per_s_ratio_to_unconstrained"] = (
-            structured["output_tokens_per_s"] / ours["output_tokens_per_s"])
+            structured["output_tokens_per_s"] / unconstrained["output_tokens_per_s"])
         structured["structured_fraction"] = args.structured_fraction
         structured["json_schema"] = schema
     del llm  # free the KV pool before loading a second copy of the weights
@@ -377,8 +382,9 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"structured outputs: {structured['num_constrained_requests']} of "
             f"{structured['num_requests']} requests JSON-constrained: output tokens/s "
-            f"{structured['output_tokens_per_s']:.1f} vs {ours['output_tokens_per_s']:.1f} "
-            f"unconstrained (ratio {structured['output_tokens_per_s_ratio_to_unconstrained']:.2f}"
+            f"{structured['output_tokens_per_s']:.1f} vs "
+            f"{structured['unconstrained_output_tokens_per_s']:.1f} unconstrained, run right "
+            f"after (ratio {structured['output_tokens_per_s_ratio_to_unconstrained']:.2f}"
             f"); mask {number(structured['mask_ms_per_step'], '.2f')} ms/step over "
             f"{structured['num_mask_steps']} steps ({structured['mask_share_of_elapsed']:.1%} "
             f"of the time); {structured['num_constrained_finished_early']} finished before "

@@ -3,8 +3,12 @@ with each accepted token (request.OutputConstraint) and the manager asks for bit
 
 from __future__ import annotations
 
+import logging
+
 import llguidance
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 class GrammarState:
@@ -20,6 +24,9 @@ class GrammarState:
         ok = self._matcher.consume_tokens(token_ids)
         if ok:
             self.num_accepted_tokens += len(token_ids)
+        else:
+            # The mask forbade this token, so this is a bug; the request ends ("stop").
+            logger.warning("grammar rejected tokens %s: %s", token_ids, self._matcher.get_error())
         return ok
 
     @property

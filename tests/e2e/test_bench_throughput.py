@@ -122,7 +122,7 @@ def test_structured_fraction_compares_constrained_and_not(run_bench, capsys):
     assert structured["num_constrained_finished_early"] == 0
     assert structured["num_mask_steps"] >= 8 and structured["mask_ms_per_step"] > 0
     assert structured["output_tokens_per_s_ratio_to_unconstrained"] == pytest.approx(
-        structured["output_tokens_per_s"] / result["pagedserve"]["output_tokens_per_s"])
+        structured["output_tokens_per_s"] / structured["unconstrained_output_tokens_per_s"])
     assert "JSON-constrained" in capsys.readouterr().out
 
 

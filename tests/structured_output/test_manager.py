@@ -147,3 +147,14 @@ def test_validate_is_thread_safe(manager):
         thread.join()
     assert errors == []
     assert json.loads(schema(3).spec()[1])["required"] == ["k3"]
+
+
+def test_choices_with_quotes_newlines_and_unicode(manager, tokenizer):
+    choices = ['say "hi"', "back\\slash", "two\nlines", "café", "日本"]
+    template = manager.request_grammar(StructuredOutputsParams(choice=choices)).result(timeout=30)
+    for choice in choices:
+        state = manager.new_state(template)
+        assert state.accept_tokens(tokenizer.encode(choice, add_special_tokens=False)), choice
+        assert state.is_terminated
+    state = manager.new_state(template)
+    assert not state.accept_tokens(tokenizer.encode("nope", add_special_tokens=False))
