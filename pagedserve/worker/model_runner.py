@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.attention import AttentionMetadata, forward_context
+from pagedserve.attention.paged import kv_cache_shape
 from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedserve.models import get_model_class
@@ -90,8 +91,8 @@ class ModelRunner:
         )
         # Zeroed, not empty: masked positions still pass through softmax @ V, and a NaN there
         # would poison the row (0 * NaN = NaN).
-        shape = (self.num_kv_blocks, self.block_size, model_config.num_key_value_heads,
-                 model_config.head_dim)
+        shape = kv_cache_shape(self.num_kv_blocks, self.block_size,
+                               model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
