@@ -119,7 +119,7 @@ class DeviceConfig:
     dtype: str = "bfloat16"
     """Compute dtype: "float32" or "bfloat16" (float16 on cuda too)."""
     num_threads: int | None = None
-    """torch intra-op threads on the CPU; None leaves torch's default."""
+    """torch intra-op threads on the CPU; None: the CPUs this process may run on."""
     seed: int = 0
     """Seed for the engine's unseeded sampling stream."""
     quantization: str = "auto"

@@ -42,8 +42,10 @@ def paged_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q: (T, H, D) -> (T, H, D), reading every request's context from the cache."""
-    out = torch.empty_like(q)
     num_decodes = meta.num_decodes
+    if num_decodes == meta.num_reqs:  # a pure decode step: no copy into a shared output
+        return _decode_attention(q, key_cache, value_cache, meta)
+    out = torch.empty_like(q)
     if num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], key_cache, value_cache, meta)
     for i in range(num_decodes, meta.num_reqs):

@@ -66,7 +66,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     """Fix the number of KV blocks instead of sizing the pool from memory."""
     num_threads: int | None = None
-    """torch threads on the CPU (default: torch's choice)."""
+    """torch threads on the CPU (default: the CPUs this process may run on, see os.sched_getaffinity)."""
     seed: int = 0
     """Seed of the engine's random stream (requests with their own seed use theirs)."""
     quantization: str = "auto"
