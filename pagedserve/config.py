@@ -119,12 +119,13 @@ class DeviceConfig:
     dtype: str = "bfloat16"
     """Compute dtype: "float32" or "bfloat16" (float16 on cuda too)."""
     num_threads: int | None = None
-    """torch intra-op threads on the CPU; None leaves torch's default."""
+    """torch intra-op threads on the CPU; None: the CPUs this process may run on."""
     seed: int = 0
     """Seed for the engine's unseeded sampling stream."""
-    quantization: str = "none"
-    """"auto": keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights packed and run them with the int4
-    CPU kernel (only for bfloat16 on the CPU; otherwise dense); "none": dequantize everything."""
+    quantization: str = "auto"
+    """"auto": also keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights packed for the int4 CPU kernel,
+    used for matmuls of at most a few rows (bfloat16 on the CPU only; see layers/linear.py);
+    "none": dequantize everything and run dense."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

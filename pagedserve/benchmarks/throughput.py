@@ -26,6 +26,7 @@ from pagedserve.benchmarks.datasets import (
     add_dataset_args,
     make_workload,
 )
+from pagedserve.benchmarks.step_profile import format_profile, profile_steps
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
 from pagedserve.outputs import RequestOutput
@@ -47,6 +48,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hf-batch-size", type=int, default=None,
                        help="prompts per transformers generate() call (default: all)")
     group.add_argument("--output-json", type=str, default=None, help="write all results here")
+    group.add_argument("--profile", action="store_true",
+                       help="after the run, break one decode step (batch = --num-prompts) and one "
+                            "prefill chunk (one prompt) into their parts, in ms")
     group = parser.add_argument_group("structured outputs")
     group.add_argument("--structured-fraction", type=float, default=0.0,
                        help="also run the batch with this fraction of its requests "
@@ -275,6 +279,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     model_path = llm.engine.config.model_path
     workload = make_workload(args, llm.get_tokenizer().vocab_size)
     ours, our_output_ids = run_pagedserve(llm, workload)
+    profile_table = None
+    if args.profile:
+        profiles = profile_steps(
+            llm.engine, len(workload.prompt_token_ids),
+            round(workload.num_prompt_tokens / len(workload.prompt_token_ids)),
+        )
+        profile_table = format_profile(profiles)
+        ours["profile_ms_per_step"] = {name: p.per_step_ms() for name, p in profiles.items()}
     structured = None
     if args.structured_fraction > 0:
         schema = (load_json_schema(args.json_schema) if args.json_schema
@@ -329,6 +341,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     result["config"]["load_average_1min_end"] = os.getloadavg()[0]
 
     print(format_table(result))
+    if profile_table:
+        print(profile_table)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

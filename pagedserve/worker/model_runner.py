@@ -7,11 +7,13 @@ and the sampler; it knows nothing about queues, priorities or text.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from pagedserve.attention import AttentionMetadata, forward_context
+from pagedserve.attention.paged import kv_cache_shape
 from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedserve.models import get_model_class
@@ -56,6 +58,15 @@ def load_model(
     return model.to(dtype).eval()
 
 
+def usable_cpu_count() -> int:
+    """CPUs this process may run on (taskset / cgroup cpusets narrow it). torch's default counts
+    every core of the machine, and more threads than usable cores stall each other badly."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def kv_cache_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * model.num_hidden_layers * block_size * model.kv_size * element_size
@@ -77,8 +88,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.device = torch.device(device_config.device)
         self.dtype = _DTYPES[device_config.dtype]
-        if device_config.num_threads is not None:
-            torch.set_num_threads(device_config.num_threads)
+        if self.device.type == "cpu":
+            torch.set_num_threads(device_config.num_threads or usable_cpu_count())
         # Unseeded requests draw from the global generator: seed it so a run is repeatable.
         torch.manual_seed(device_config.seed)
 
@@ -92,8 +103,8 @@ class ModelRunner:
         )
         # Zeroed, not empty: masked positions still pass through softmax @ V, and a NaN there
         # would poison the row (0 * NaN = NaN).
-        shape = (self.num_kv_blocks, self.block_size, model_config.num_key_value_heads,
-                 model_config.head_dim)
+        shape = kv_cache_shape(self.num_kv_blocks, self.block_size,
+                               model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.layers.linear import Linear, MergedLinear
+from pagedserve.layers.linear import PACKED_MAX_ROWS, Linear, MergedLinear
 from pagedserve.layers.quantized import (
     GQT,
     PACKABLE_TYPES,
@@ -131,7 +131,16 @@ def test_merged_layer_packs_same_type_shards_and_falls_back_on_mixed():
 
     four_bit = MergedLinear(k, {"q": 64, "k": 32, "v": 32})
     _loaded_linear(four_bit, {"q": q, "k": kk, "v": kk}, torch.bfloat16)
-    assert four_bit.packed is not None and four_bit.weight is None
+    assert four_bit.packed is not None
+    # Both forms are kept: few rows go to the int4 kernel, more rows to the dense bf16 matrix.
+    four_bit_dense = torch.cat([q.dequantize(), kk.dequantize(), kk.dequantize()])
+    assert torch.equal(four_bit.weight, four_bit_dense.to(torch.bfloat16))
+    few = x[:PACKED_MAX_ROWS]
+    many = torch.randn(PACKED_MAX_ROWS + 1, k).to(torch.bfloat16)
+    torch.testing.assert_close(four_bit(few), four_bit.packed(few))
+    torch.testing.assert_close(four_bit(many), many @ four_bit.weight.t())
+    packed_many, dense_many = four_bit.packed(many).float(), four_bit(many).float()
+    assert (packed_many - dense_many).norm() < 1e-2 * dense_many.norm()  # bf16 rounding only
 
     mixed = MergedLinear(k, {"q": 64, "k": 32, "v": 32})
     _loaded_linear(mixed, {"q": q, "k": kk, "v": v8}, torch.bfloat16)
