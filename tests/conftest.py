@@ -27,8 +27,8 @@ def tokenizer(model_path):
 _MODELS: dict[str, object] = {}
 
 
-def _shared_model(model_path: str, dtype: str, keep_packed: bool):
-    key = f"{dtype}-packed" if keep_packed else dtype
+def _shared_model(model_path: str, dtype: str, keep_packed: bool, quantize: str | None = None):
+    key = f"{dtype}-{quantize or ('packed' if keep_packed else 'dense')}"
     if key not in _MODELS:
         import torch
 
@@ -38,7 +38,7 @@ def _shared_model(model_path: str, dtype: str, keep_packed: bool):
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         _MODELS[key] = load_model(
             model_path, load_model_config(model_path), torch_dtype, torch.device("cpu"),
-            keep_packed,
+            keep_packed, quantize,
         )
     return _MODELS[key]
 
@@ -56,7 +56,10 @@ def make_llm(model_path, tokenizer):
         overrides.setdefault("dtype", "float32")
         overrides.setdefault("kv_cache_memory", "512MiB")
         config = EngineArgs(model=model_path, **overrides).create_engine_config()
-        model = _shared_model(model_path, config.device.dtype, config.device.keeps_weights_packed)
+        device = config.device
+        model = _shared_model(
+            model_path, device.dtype, device.keeps_weights_packed, device.quantize_on_load
+        )
         engine = LLMEngine(config, tokenizer=tokenizer, model=model)
         engines.append(engine)
         return LLM.from_engine(engine)

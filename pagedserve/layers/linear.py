@@ -12,6 +12,10 @@ A packed layer keeps its dense bf16 weight too and picks per call by the number 
 int4 CPU kernel reads a quarter of the bytes, so it wins while the matmul is bound by memory
 (1.6-2x at 1 row), but its cost grows with rows and by 8 rows dense bf16 is faster (2-2.5x at
 32 rows and in prefill). The price is memory: both copies stay resident.
+
+`--quantization int4|int8` instead quantizes every dense weight on load (also a GGUF file's,
+re-quantized from its dequantized values) and keeps only the packed form: less memory, all rows on
+the int4 kernel (so slower for large batches).
 """
 
 from __future__ import annotations
@@ -20,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.layers.quantized import GGUFQuantWeight, Int4PackedWeight, concat_rows
+from pagedserve.layers.quantized import (
+    GGUFQuantWeight,
+    Int4PackedWeight,
+    concat_rows,
+    quantize_weight,
+)
 
 PACKED_MAX_ROWS = 8
 """Rows up to which a layer holding both forms multiplies by its int4 codes (see module doc)."""
@@ -61,7 +70,7 @@ class Linear(nn.Module):
         """Set when the layer also runs on GGUF codes (for inputs of at most PACKED_MAX_ROWS)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.shape[0] > PACKED_MAX_ROWS:
+        if self.packed is None or (self.weight is not None and x.shape[0] > PACKED_MAX_ROWS):
             return F.linear(x, self.weight, self.bias)
         y = self.packed(x)
         return y if self.bias is None else y + self.bias
@@ -70,10 +79,21 @@ class Linear(nn.Module):
         """shard id -> the rows of `weight` it fills."""
         return {None: self.weight.data}
 
-    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+    def process_weights_after_loading(self, dtype: torch.dtype, quantize: str | None = None) -> None:
         """Dequantize quantized shards into the dense weight and, for bf16 when every shard is
-        packable, also pack them for the int4 kernel."""
+        packable, also pack them for the int4 kernel. quantize ("int4" / "int8", bf16 only):
+        replace the dense weight by its packed quantization instead."""
         pending = take_pending_quant(self.weight)
+        if quantize is not None:
+            slices = self._shard_slices()
+            for shard_id, weight in pending.items():
+                _check_shape(weight, slices[shard_id].shape)
+                slices[shard_id].copy_(weight.dequantize())
+            codes = quantize_weight(self.weight.data, quantize) if dtype == torch.bfloat16 else None
+            if codes is not None:
+                self.packed = Int4PackedWeight(codes, dtype)
+                self.weight = None
+            return
         if not pending:
             return
         slices = self._shard_slices()
@@ -135,22 +155,33 @@ class VocabEmbedding(nn.Module):
         )
         self.serves_as_head = serves_as_head
         self.packed_head: Int4PackedWeight | None = None
+        self.dense_head_above_max_rows = True
+        """False when the head was quantized on request (--quantization int4/int8)."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
 
     def as_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in the compute dtype."""
-        if self.packed_head is not None and hidden_states.shape[0] <= PACKED_MAX_ROWS:
+        if self.packed_head is not None and (
+            hidden_states.shape[0] <= PACKED_MAX_ROWS or not self.dense_head_above_max_rows
+        ):
             return self.packed_head(hidden_states)
         return F.linear(hidden_states, self.weight)
 
-    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+    def process_weights_after_loading(self, dtype: torch.dtype, quantize: str | None = None) -> None:
+        """Dequantize GGUF codes into the table; for a tied head in bf16 also pack the codes (or,
+        with `quantize`, a fresh int4/int8 quantization used for every row count)."""
         pending = take_pending_quant(self.weight)
-        if not pending:
+        if pending:
+            _check_shape(pending[None], self.weight.shape)
+            self.weight.data.copy_(pending[None].dequantize())
+        if dtype != torch.bfloat16 or not self.serves_as_head:
             return
-        weight = pending[None]
-        _check_shape(weight, self.weight.shape)
-        self.weight.data.copy_(weight.dequantize())
-        if dtype == torch.bfloat16 and self.serves_as_head:
-            self.packed_head = Int4PackedWeight(weight, dtype)
+        if quantize is not None:
+            codes = quantize_weight(self.weight.data, quantize)
+            if codes is not None:
+                self.packed_head = Int4PackedWeight(codes, dtype)
+                self.dense_head_above_max_rows = False
+        elif pending:
+            self.packed_head = Int4PackedWeight(pending[None], dtype)

@@ -47,14 +47,16 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     keep_packed: bool = False,
+    quantize_on_load: str | None = None,
 ) -> torch.nn.Module:
-    """keep_packed: run GGUF 4/8-bit weights on their codes (bf16 on the CPU; see quantized.py)."""
+    """keep_packed: also run GGUF 4/8-bit weights on their codes (bf16 on the CPU; see
+    layers/linear.py). quantize_on_load: "int4" / "int8" quantize every linear weight instead."""
     with torch.device(device):
         model = get_model_class(model_config.architecture)(model_config, dtype)
-    model.load_weights(iter_model_weights(model_path, dtype, keep_packed))
+    model.load_weights(iter_model_weights(model_path, dtype, keep_packed and not quantize_on_load))
     for module in model.modules():  # pack what arrived packed, or dequantize it
         if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading(dtype)
+            module.process_weights_after_loading(dtype, quantize_on_load)
     return model.to(dtype).eval()
 
 
@@ -94,7 +96,8 @@ class ModelRunner:
         torch.manual_seed(device_config.seed)
 
         self.model = model or load_model(
-            model_path, model_config, self.dtype, self.device, device_config.keeps_weights_packed
+            model_path, model_config, self.dtype, self.device,
+            device_config.keeps_weights_packed, device_config.quantize_on_load,
         )
 
         bytes_per_block = kv_cache_bytes_per_block(model_config, self.block_size, self.dtype)

@@ -20,6 +20,7 @@ from pagedserve.layers.quantized import (
     decode_gguf_blocks,
     int4_scales_and_zeros,
     q8_0_as_int4,
+    quantize_weight,
 )
 
 # Byte offsets of the fp16 fields in each block: d (and m / dmin).
@@ -177,5 +178,33 @@ def test_quantization_option_keeps_fp32_and_cuda_dense():
     assert not DeviceConfig(dtype="float32", quantization="auto").keeps_weights_packed
     assert not DeviceConfig(dtype="bfloat16", quantization="none").keeps_weights_packed
     assert not DeviceConfig(device="cuda", quantization="auto").keeps_weights_packed
+    assert DeviceConfig(dtype="bfloat16", quantization="int8").quantize_on_load == "int8"
+    assert DeviceConfig(dtype="bfloat16", quantization="int4").quantize_on_load == "int4"
+    assert DeviceConfig(dtype="float32", quantization="int4").quantize_on_load is None
+    assert DeviceConfig(dtype="bfloat16", quantization="auto").quantize_on_load is None
     with pytest.raises(ValueError, match="quantization"):
-        DeviceConfig(quantization="int4")
+        DeviceConfig(quantization="int3")
+
+
+@pytest.mark.parametrize("scheme,levels", [("int4", 15), ("int8", 254)])
+def test_quantize_on_load_error_is_at_most_half_a_step(scheme, levels):
+    torch.manual_seed(0)
+    weight = torch.randn(64, 128) * torch.logspace(-3, 1, 64)[:, None]  # rows of many scales
+    weight[3, :32] = 0.5  # a constant group: scale 0 must not divide by zero
+    codes = quantize_weight(weight, scheme)
+    groups = weight.view(64, 4, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15 if scheme == "int4" else (
+        groups.abs().amax(-1) / 127
+    )
+    error = (codes.dequantize() - weight).abs().view(64, 4, 32)
+    assert (error <= step[..., None] / 2 + 1e-6).all()
+    assert torch.equal(codes.dequantize()[3, :32], weight[3, :32]) or scheme == "int8"
+    assert quantize_weight(torch.randn(8, 48), scheme) is None  # K not a multiple of 32
+    # and the int4 kernel reproduces it (bf16 scales): a layer quantized on load
+    layer = Linear(128, 64)
+    layer.weight.data.copy_(weight)
+    layer.process_weights_after_loading(torch.bfloat16, scheme)
+    assert layer.weight is None and layer.packed is not None
+    x = torch.randn(20, 128).to(torch.bfloat16)  # more rows than PACKED_MAX_ROWS: packed still
+    expected = x.float() @ codes.dequantize().t()
+    assert (layer(x).float() - expected).norm() < 2e-2 * expected.norm()

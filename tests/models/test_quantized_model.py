@@ -129,3 +129,25 @@ def test_perplexity_within_one_percent_of_fp32(make_llm, tokenizer, monkeypatch)
           f"bf16 default {default_mix:.4f}, bf16 int4 everywhere {int4:.4f}")
     assert abs(int4 / reference - 1) < 0.01, (int4, reference)
     assert abs(default_mix / reference - 1) < 0.01, (default_mix, reference)
+
+
+# Measured: fp32 19.82, int8 19.47 (-1.8%), int4 20.81 (+5.0%): a second rounding of weights
+# that are already 4/8-bit (int4 also re-quantizes the Q8_0 tied head). These modes are meant
+# for bf16/fp32 checkpoints; a GGUF file is best run with "auto" (its own codes, tested above).
+ON_LOAD_PERPLEXITY_TOLERANCE = {"int8": 0.03, "int4": 0.07}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantize_on_load_perplexity(make_llm, tokenizer, scheme):
+    """--quantization int8/int4 quantize every linear weight (here the dequantized GGUF ones)
+    per 32-element group on load and run packed only."""
+    token_ids = tokenizer.encode(TEXT)
+    reference = _perplexity(make_llm(dtype="float32"), token_ids)
+    llm = make_llm(dtype="bfloat16", quantization=scheme)
+    layer = llm.engine.model_runner.model.model.layers[0]
+    assert layer.mlp.down_proj.weight is None and layer.mlp.down_proj.packed is not None
+    quantized = _perplexity(llm, token_ids)
+    print(f"\nperplexity over {len(token_ids)} tokens: fp32 {reference:.4f}, {scheme} {quantized:.4f}")
+    assert abs(quantized / reference - 1) < ON_LOAD_PERPLEXITY_TOLERANCE[scheme], (
+        quantized, reference
+    )
