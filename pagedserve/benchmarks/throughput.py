@@ -24,12 +24,13 @@ from pagedserve.benchmarks.datasets import (
     add_dataset_args,
     make_workload,
 )
-from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.core.scheduler import SpecDecodingStats
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import Tokenizer
 
 WARMUP_PROMPT_LEN = 8
 WARMUP_OUTPUT_LEN = 4
@@ -46,6 +47,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="hf: also run transformers generate() on the same prompts")
     group.add_argument("--hf-batch-size", type=int, default=None,
                        help="prompts per transformers generate() call (default: all)")
+    group.add_argument("--chat-prompt", action="append", default=None, metavar="TEXT",
+                       help="instead of --dataset: this user message in the model's chat "
+                            "template (repeat the flag for several prompts)")
     group.add_argument("--compare-no-spec", action="store_true",
                        help="with --speculative-config: also run the same engine without "
                             "speculation (same weights, same prompts) and print the ratio")
@@ -131,6 +135,16 @@ def _spec_decode_metrics(before: SpecDecodingStats, after: SpecDecodingStats) ->
         "acceptance_rate_per_pos": delta.acceptance_rate_per_pos,
         "mean_acceptance_length": delta.mean_acceptance_length,
     }
+
+
+def _chat_workload(tokenizer: Tokenizer, messages: list[str], output_len: int) -> Workload:
+    """One prompt per user message, rendered with the model's chat template."""
+    prompts = [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": message}]),
+                         add_special_tokens=False)
+        for message in messages
+    ]
+    return Workload(prompts, output_len)
 
 
 def _without_speculation(llm: LLM) -> LLM:
@@ -243,6 +257,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(**vars(engine_args))
     model_path = llm.engine.config.model_path
     workload = make_workload(args, llm.get_tokenizer().vocab_size)
+    if args.chat_prompt:
+        workload = _chat_workload(llm.get_tokenizer(), args.chat_prompt, args.output_len)
     no_spec = None
     if args.compare_no_spec:
         # First, so that the speculative run does not warm the CPU caches for it; the other
@@ -260,7 +276,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             "model_path": model_path,
             "dtype": engine_args.dtype,
-            "dataset": args.dataset,
+            "dataset": "chat-prompt" if args.chat_prompt else args.dataset,
             "num_prompts": len(workload.prompt_token_ids),
             "output_len": workload.output_len,
             "mean_prompt_len": workload.num_prompt_tokens / len(workload.prompt_token_ids),
@@ -285,7 +301,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "output_tokens_per_s": ours["output_tokens_per_s"] / no_spec["output_tokens_per_s"],
             "mean_tpot": _safe_div(no_spec["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
         }
-    if args.dataset == "doc-qa":
+    if args.chat_prompt:
+        result["config"]["chat_prompts"] = args.chat_prompt
+    elif args.dataset == "doc-qa":
         result["config"].update(num_docs=args.num_docs, doc_len=args.doc_len,
                                 question_len=args.question_len, quote_len=args.quote_len)
     else:

@@ -142,3 +142,14 @@ def test_speculative_run_against_no_speculation_in_one_invocation(run_bench, cap
         ours["output_tokens_per_s"] / no_spec["output_tokens_per_s"])
     out = capsys.readouterr().out
     assert "spec: mean accepted length" in out and "speedup spec / no spec" in out
+
+
+def test_chat_prompts_instead_of_a_dataset(run_bench, tokenizer):
+    messages = ["Write hello world in Python.", "Name a prime number."]
+    result = run_bench("--chat-prompt", messages[0], "--chat-prompt", messages[1],
+                       "--output-len", "4")
+    ours = result["pagedserve"]
+    assert result["config"]["dataset"] == "chat-prompt" and ours["num_output_tokens"] == 2 * 4
+    expected = sum(len(tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": m}]), add_special_tokens=False)) for m in messages)
+    assert ours["num_prompt_tokens"] == expected
