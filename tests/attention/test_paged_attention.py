@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.paged import paged_attention, write_kv
+from pagedserve.attention.paged import PREFILL_QUERY_BLOCK, paged_attention, write_kv
 from pagedserve.attention.reference import reference_paged_attention
 
 BLOCK_SIZE = 4
@@ -20,6 +20,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 
 
 def build_batch(query_lens, context_lens, num_blocks=64, seed=0):
+    num_blocks = max(num_blocks, 2 + sum(-(-(q + c) // BLOCK_SIZE) for q, c in zip(query_lens, context_lens)))
     rng = random.Random(seed)
     torch.manual_seed(seed)
     free = list(range(1, num_blocks))
@@ -61,6 +62,9 @@ def build_batch(query_lens, context_lens, num_blocks=64, seed=0):
         ([7], [0]),  # one fresh prompt
         ([5, 9], [3, 16]),  # prefill chunks after earlier chunks / cache hits
         ([1, 1, 13, 4, 1 + 3], [12, 3, 0, 21, 8]),  # the mixed batch of a busy step
+        # longer than PREFILL_QUERY_BLOCK: several query blocks, each with its causal limit
+        ([1, 300], [40, 0]),
+        ([2 * PREFILL_QUERY_BLOCK + 5], [37]),
     ],
 )
 def test_fast_matches_reference(query_lens, context_lens):
