@@ -109,7 +109,7 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
 
 
-QUANTIZATION_MODES = ("auto", "none")
+QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
 
 
 @dataclass(frozen=True)
@@ -119,12 +119,14 @@ class DeviceConfig:
     dtype: str = "bfloat16"
     """Compute dtype: "float32" or "bfloat16" (float16 on cuda too)."""
     num_threads: int | None = None
-    """torch intra-op threads on the CPU; None leaves torch's default."""
+    """torch intra-op threads on the CPU; None: the CPUs this process may run on."""
     seed: int = 0
     """Seed for the engine's unseeded sampling stream."""
-    quantization: str = "none"
-    """"auto": keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights packed and run them with the int4
-    CPU kernel (only for bfloat16 on the CPU; otherwise dense); "none": dequantize everything."""
+    quantization: str = "auto"
+    """"auto": also keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights packed for the int4 CPU kernel,
+    used for matmuls of at most a few rows (bfloat16 on the CPU only; see layers/linear.py);
+    "none": dequantize everything and run dense; "int4" / "int8": quantize every linear weight
+    (and a tied head) on load, per 32-element group, and run packed only (bf16 on the CPU)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -137,7 +139,18 @@ class DeviceConfig:
 
     @property
     def keeps_weights_packed(self) -> bool:
-        return self.quantization == "auto" and self.dtype == "bfloat16" and self.device == "cpu"
+        """GGUF codes are loaded as they are (auto) and packed beside the dense weights."""
+        return self.quantization == "auto" and self._packs
+
+    @property
+    def quantize_on_load(self) -> str | None:
+        """"int4" / "int8" when weights are quantized on load, else None."""
+        return self.quantization if self.quantization in ("int4", "int8") and self._packs else None
+
+    @property
+    def _packs(self) -> bool:
+        # torch's int4 kernel runs on the CPU and wants bf16 activations (see quantized.py).
+        return self.dtype == "bfloat16" and self.device == "cpu"
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

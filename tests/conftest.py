@@ -27,18 +27,20 @@ def tokenizer(model_path):
 _MODELS: dict[str, object] = {}
 
 
-def _shared_model(model_path: str, dtype: str):
-    if dtype not in _MODELS:
+def _shared_model(model_path: str, dtype: str, keep_packed: bool, quantize: str | None = None):
+    key = f"{dtype}-{quantize or ('packed' if keep_packed else 'dense')}"
+    if key not in _MODELS:
         import torch
 
         from pagedserve.models.loader import load_model_config
         from pagedserve.worker.model_runner import load_model
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        _MODELS[dtype] = load_model(
-            model_path, load_model_config(model_path), torch_dtype, torch.device("cpu")
+        _MODELS[key] = load_model(
+            model_path, load_model_config(model_path), torch_dtype, torch.device("cpu"),
+            keep_packed, quantize,
         )
-    return _MODELS[dtype]
+    return _MODELS[key]
 
 
 @pytest.fixture
@@ -54,7 +56,10 @@ def make_llm(model_path, tokenizer):
         overrides.setdefault("dtype", "float32")
         overrides.setdefault("kv_cache_memory", "512MiB")
         config = EngineArgs(model=model_path, **overrides).create_engine_config()
-        model = _shared_model(model_path, config.device.dtype)
+        device = config.device
+        model = _shared_model(
+            model_path, device.dtype, device.keeps_weights_packed, device.quantize_on_load
+        )
         engine = LLMEngine(config, tokenizer=tokenizer, model=model)
         engines.append(engine)
         return LLM.from_engine(engine)

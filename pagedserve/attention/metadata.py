@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,8 +32,11 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor
     """(num_decodes,) int64 on the device, for the batched decode mask."""
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per layer (key_cache, value_cache), each (num_blocks, block_size, Hkv, D). Carried here,
+    """Per layer (key_cache, value_cache), each (Hkv, num_blocks, block_size, D). Carried here,
     not bound to the layers, so one loaded model can serve several engines (tests, drafts)."""
+    backend_state: dict[str, Any] = field(default_factory=dict)
+    """Tensors an attention backend derives from this metadata once per step (in its first
+    layer) and reuses in the others, e.g. the decode mask."""
 
     @property
     def num_reqs(self) -> int:

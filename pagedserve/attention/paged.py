@@ -1,17 +1,30 @@
-"""Paged attention with torch's scaled_dot_product_attention, for any device.
+"""Paged attention from plain torch matmuls, for any device.
 
-KV cache layout per layer: (num_blocks, block_size, num_kv_heads, head_dim) for K and for V.
-Decodes are batched: their blocks are gathered into (B, L, Hkv, D) and padded positions masked.
-Each prefill chunk attends to its gathered context with a causal mask offset by the context length
-(batched matmuls over query blocks: see _prefill_attention).
+KV cache layout per layer, for K and for V: (num_kv_heads, num_blocks, block_size, head_dim),
+head-major, so gathering a request's blocks (index_select on dim 1) directly yields each KV head's
+keys as one contiguous (positions, head_dim) matrix: the operand a batched matmul wants.
+Decodes are batched: their blocks are gathered into (Hkv, B, L, D) and padded positions masked.
+Each prefill chunk attends to its gathered context with a causal mask offset by the context length.
+
+torch's SDPA serves fresh prompts (causal, no context). Elsewhere plain matmuls: on this CPU
+(torch 2.13) SDPA's flash kernel costs ~13 us per (request, head) for a one-token query (the
+matmuls are ~3x faster for a batch of decodes), and a prefill chunk with context needs an
+explicit mask, which makes SDPA ~1.4x slower than the blocked matmuls. The G = H / Hkv query
+heads that share a KV head are stacked as rows of one matmul, so K/V are never expanded.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+    return (num_kv_heads, num_blocks, block_size, head_dim)
 
 
 def write_kv(
@@ -20,25 +33,25 @@ def write_kv(
 ) -> None:
     """Store this step's K/V (T, Hkv, D) at their slots; done for the whole batch before any
     attention reads, so a request may read blocks another request of the same step writes."""
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    num_kv_heads, _, _, head_dim = key_cache.shape
+    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def paged_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q: (T, H, D) -> (T, H, D), reading every request's context from the cache."""
-    num_heads = q.shape[1]
-    out = torch.empty_like(q)
     num_decodes = meta.num_decodes
+    if num_decodes == meta.num_reqs:  # a pure decode step: no copy into a shared output
+        return _decode_attention(q, key_cache, value_cache, meta)
+    out = torch.empty_like(q)
     if num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], key_cache, value_cache, meta)
     for i in range(num_decodes, meta.num_reqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        k, v = _gather(key_cache, value_cache, meta.block_table[i : i + 1], meta.seq_lens[i])
-        out[start:end] = _prefill_attention(q[start:end], k[0], v[0], meta.context_lens[i])
-    assert out.shape[1] == num_heads
+        k, v = _gather(key_cache, value_cache, meta.block_table[i], meta.seq_lens[i])
+        out[start:end] = _prefill_attention(q[start:end], k, v, meta.context_lens[i])
     return out
 
 
@@ -50,23 +63,27 @@ def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int
 ) -> torch.Tensor:
     """One request's prefill chunk. q: (Tq, H, D) at positions context_len .. context_len + Tq;
-    k, v: (S, Hkv, D) with S = context_len + Tq -> (Tq, H, D).
+    k, v: (Hkv, S, D) with S = context_len + Tq -> (Tq, H, D).
 
-    Plain batched matmuls over query blocks, not SDPA: on this CPU torch's SDPA runs GQA prefill
-    through its math path (or a slow flash kernel once K/V are expanded), ~5x slower at 2,048
-    tokens. The G query heads sharing a KV head are stacked as rows of one matmul (no K/V
-    expansion); block b only reads keys up to its last query (causal skip at block granularity).
-    Scores and softmax in fp32: bf16 scores would round logits by up to ~0.1.
+    A fresh prompt (no context) goes to torch's SDPA flash kernel with is_causal (its causal
+    mask is aligned top-left, right only without context). With context, plain matmuls over
+    query blocks: block b only reads keys up to its last query; scores and softmax in fp32
+    (bf16 scores would round logits). SDPA with an explicit mask measured ~1.4x slower.
     """
+    if context_len == 0:
+        # 4-D: torch 2.13 sends 3-D inputs to its slow math path (5x slower at 2,048 tokens).
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k[None], v[None], is_causal=True, enable_gqa=True
+        )[0].transpose(0, 1)
     num_queries, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads = k.shape[0]
     group = num_heads // num_kv_heads
     q32 = q.float().mul_(head_dim**-0.5).view(num_queries, num_kv_heads, group, head_dim)
     q32 = q32.permute(1, 2, 0, 3)  # (Hkv, G, Tq, D)
-    k32 = k.float().permute(1, 2, 0)  # (Hkv, D, S)
-    v32 = v.float().transpose(0, 1)  # (Hkv, S, D)
+    k32 = k.float().transpose(1, 2)  # (Hkv, D, S)
+    v32 = v.float()  # (Hkv, S, D)
     out = torch.empty(num_kv_heads, group, num_queries, head_dim, device=q.device)
-    key_positions = torch.arange(k.shape[0], device=q.device)
+    key_positions = torch.arange(k.shape[1], device=q.device)
     for q_start in range(0, num_queries, PREFILL_QUERY_BLOCK):
         q_end = min(num_queries, q_start + PREFILL_QUERY_BLOCK)
         rows = q_end - q_start
@@ -84,37 +101,87 @@ def _prefill_attention(
     return out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, head_dim).to(q.dtype)
 
 
+@dataclass
+class _DecodePlan:
+    """What every layer's decode attention needs from the step's metadata, built once per step."""
+
+    block_ids: torch.Tensor
+    """(Hkv * B * num_blocks,) rows of the cache viewed as (Hkv * num_blocks, block_size, D):
+    every KV head's copy of the decodes' blocks, for one dim-0 index_select per cache."""
+    bias: torch.Tensor
+    """(Hkv * B, G, L) additive mask: 0 where a gathered position is in the sequence, else -inf."""
+    padded_len: int
+    """L: num_blocks * block_size."""
+
+
+def _head_major_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Block ids -> their rows in a cache viewed as (Hkv * num_blocks, ...), head by head.
+
+    index_select on dim 0 copies whole contiguous blocks; on dim 1 of the 4-D cache it takes a
+    generic strided path that measured 2x slower."""
+    offsets = torch.arange(num_kv_heads, device=block_ids.device) * num_blocks
+    return (offsets[:, None] + block_ids[None, :]).flatten()
+
+
+def _decode_plan(
+    meta: AttentionMetadata, block_size: int, num_kv_heads: int, num_cache_blocks: int,
+    group: int, dtype: torch.dtype,
+) -> _DecodePlan:
+    plan = meta.backend_state.get("decode_plan")
+    if plan is None:
+        num_decodes = meta.num_decodes
+        num_blocks = -(-max(meta.seq_lens[:num_decodes]) // block_size)
+        padded_len = num_blocks * block_size
+        positions = torch.arange(padded_len, device=meta.block_table.device)
+        outside = positions[None, :] >= meta.decode_seq_lens[:, None]  # (B, L)
+        bias = torch.zeros(num_decodes, padded_len, dtype=dtype, device=outside.device)
+        bias.masked_fill_(outside, float("-inf"))
+        plan = _DecodePlan(
+            block_ids=_head_major_rows(
+                meta.block_table[:num_decodes, :num_blocks].flatten(), num_kv_heads, num_cache_blocks
+            ),
+            bias=bias[None, :, None, :].expand(num_kv_heads, -1, group, -1)
+            .reshape(num_kv_heads * num_decodes, group, padded_len),
+            padded_len=padded_len,
+        )
+        meta.backend_state["decode_plan"] = plan
+    return plan
+
+
 def _decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """q: (B, H, D), one query per request at the end of its sequence."""
+    """q: (B, H, D), one query per request at the end of its sequence.
+
+    Scores are computed in the compute dtype (no fp32 output for bf16 matmuls on the CPU);
+    softmax accumulates in fp32 internally.
+    """
     num_decodes, num_heads, head_dim = q.shape
-    num_kv_heads = key_cache.shape[2]
-    max_len = max(meta.seq_lens[:num_decodes])
-    k, v = _gather(key_cache, value_cache, meta.block_table[:num_decodes], max_len)  # (B, L, Hkv, D)
-    positions = torch.arange(k.shape[1], device=q.device)
-    mask = positions[None, :] < meta.decode_seq_lens[:, None]  # (B, L)
-    # The G = H / Hkv query heads sharing a KV head sit at the same position, so they can be
-    # that head's G "query tokens": plain multi-head SDPA, no GQA expansion (6x faster in bf16
-    # on CPU than enable_gqa with a single query).
-    o = F.scaled_dot_product_attention(
-        q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim),  # (B, Hkv, G, D)
-        k.transpose(1, 2),  # (B, Hkv, L, D)
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
+    num_kv_heads, num_cache_blocks, block_size, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    plan = _decode_plan(meta, block_size, num_kv_heads, num_cache_blocks, group, q.dtype)
+    batch_shape = (num_kv_heads * num_decodes, plan.padded_len, head_dim)
+    rows = (-1, block_size, head_dim)
+    k = key_cache.view(rows).index_select(0, plan.block_ids).view(batch_shape)  # (Hkv * B, L, D)
+    v = value_cache.view(rows).index_select(0, plan.block_ids).view(batch_shape)
+    # (B, H, D) -> (Hkv * B, G, D): a request's G query heads of one KV head as G rows
+    q_rows = q.view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
+    q_rows = q_rows.reshape(num_kv_heads * num_decodes, group, head_dim)
+    scores = torch.baddbmm(plan.bias, q_rows, k.transpose(1, 2), alpha=head_dim**-0.5)
+    o = torch.bmm(scores.softmax(dim=-1), v)  # (Hkv * B, G, D)
+    return o.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1).reshape(
+        num_decodes, num_heads, head_dim
     )
-    return o.reshape(num_decodes, num_heads, head_dim)
 
 
 def _gather(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, max_blocks) block ids -> K, V of the first seq_len positions: (B, L, Hkv, D), L >= seq_len."""
-    num_reqs = block_table.shape[0]
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    num_blocks = -(-seq_len // block_size)
-    ids = block_table[:, :num_blocks].flatten()
+    """One request's (max_blocks,) block ids -> its K, V: (Hkv, seq_len, D) each."""
+    num_kv_heads, num_cache_blocks, block_size, head_dim = key_cache.shape
+    ids = _head_major_rows(block_ids[: -(-seq_len // block_size)], num_kv_heads, num_cache_blocks)
     # index_select on the block dimension: ~8x faster on CPU than advanced indexing.
-    k = key_cache.index_select(0, ids).view(num_reqs, -1, num_kv_heads, head_dim)
-    v = value_cache.index_select(0, ids).view(num_reqs, -1, num_kv_heads, head_dim)
+    rows = (-1, block_size, head_dim)
+    k = key_cache.view(rows).index_select(0, ids).view(num_kv_heads, -1, head_dim)
+    v = value_cache.view(rows).index_select(0, ids).view(num_kv_heads, -1, head_dim)
     return k[:, :seq_len], v[:, :seq_len]

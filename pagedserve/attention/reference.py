@@ -16,8 +16,7 @@ def reference_paged_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    block_size = key_cache.shape[1]
+    num_kv_heads, _, block_size, _ = key_cache.shape  # (Hkv, num_blocks, block_size, D)
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     block_table = meta.block_table.tolist()
@@ -25,10 +24,11 @@ def reference_paged_attention(
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         seq_len, context_len = meta.seq_lens[i], meta.context_lens[i]
         keys = torch.stack(
-            [key_cache[block_table[i][p // block_size], p % block_size] for p in range(seq_len)]
+            [key_cache[:, block_table[i][p // block_size], p % block_size] for p in range(seq_len)]
         ).double()  # (S, Hkv, D)
         values = torch.stack(
-            [value_cache[block_table[i][p // block_size], p % block_size] for p in range(seq_len)]
+            [value_cache[:, block_table[i][p // block_size], p % block_size]
+             for p in range(seq_len)]
         ).double()
         for j in range(end - start):
             position = context_len + j

@@ -24,6 +24,7 @@ from pagedserve.benchmarks.datasets import (
     add_dataset_args,
     make_workload,
 )
+from pagedserve.benchmarks.step_profile import format_profile, profile_steps
 from pagedserve.core.scheduler import SpecDecodingStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
@@ -54,6 +55,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="with --speculative-config: also run the same engine without "
                             "speculation (same weights, same prompts) and print the ratio")
     group.add_argument("--output-json", type=str, default=None, help="write all results here")
+    group.add_argument("--profile", action="store_true",
+                       help="after the run, break one decode step (batch = --num-prompts) and one "
+                            "prefill chunk (one prompt) into their parts, in ms")
     EngineArgs.add_cli_args(parser)
 
 
@@ -269,6 +273,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         del plain_llm
         gc.collect()
     ours, our_output_ids = run_pagedserve(llm, workload)
+    profile_table = None
+    if args.profile:
+        profiles = profile_steps(
+            llm.engine, len(workload.prompt_token_ids),
+            round(workload.num_prompt_tokens / len(workload.prompt_token_ids)),
+        )
+        profile_table = format_profile(profiles)
+        ours["profile_ms_per_step"] = {name: p.per_step_ms() for name, p in profiles.items()}
     del llm  # free the KV pool before loading a second copy of the weights
     gc.collect()
 
@@ -320,6 +332,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     result["config"]["load_average_1min_end"] = os.getloadavg()[0]
 
     print(format_table(result))
+    if profile_table:
+        print(profile_table)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

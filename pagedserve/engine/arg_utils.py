@@ -83,12 +83,13 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     """Fix the number of KV blocks instead of sizing the pool from memory."""
     num_threads: int | None = None
-    """torch threads on the CPU (default: torch's choice)."""
+    """torch threads on the CPU (default: the CPUs this process may run on, see os.sched_getaffinity)."""
     seed: int = 0
     """Seed of the engine's random stream (requests with their own seed use theirs)."""
-    quantization: str = "none"
-    """auto: run GGUF Q4_0/Q4_1/Q4_K/Q8_0 weights packed (int4 kernel, bf16 on the CPU only);
-    none: dequantize every weight to the compute dtype."""
+    quantization: str = "auto"
+    """auto: also keep GGUF Q4_0/Q4_1/Q4_K/Q8_0 weights packed, for the int4 kernel on matmuls
+    of few rows (bf16 on the CPU only); none: dequantize every weight to the compute dtype;
+    int4 / int8: quantize every linear weight on load and run packed only (bf16 on the CPU)."""
     speculative_config: dict | str | None = None
     """Speculative decoding, vLLM's keys, as a dict or JSON: e.g. {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1};

@@ -7,6 +7,15 @@ parallelism later narrows these slices per rank here, not in the models.
 A shard may also arrive as a GGUFQuantWeight (GGUF codes kept packed, see quantized.py): it is set
 aside on the parameter, and `process_weights_after_loading` packs the whole layer for the int4
 kernel when every shard is packable, else dequantizes into the dense weight (the slow reference).
+
+A packed layer keeps its dense bf16 weight too and picks per call by the number of rows: torch's
+int4 CPU kernel reads a quarter of the bytes, so it wins while the matmul is bound by memory
+(1.6-2x at 1 row), but its cost grows with rows and by 8 rows dense bf16 is faster (2-2.5x at
+32 rows and in prefill). The price is memory: both copies stay resident.
+
+`--quantization int4|int8` instead quantizes every dense weight on load (also a GGUF file's,
+re-quantized from its dequantized values) and keeps only the packed form: less memory, all rows on
+the int4 kernel (so slower for large batches).
 """
 
 from __future__ import annotations
@@ -15,7 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.layers.quantized import GGUFQuantWeight, Int4PackedWeight, concat_rows
+from pagedserve.layers.quantized import (
+    GGUFQuantWeight,
+    Int4PackedWeight,
+    concat_rows,
+    quantize_weight,
+)
+
+PACKED_MAX_ROWS = 8
+"""Rows up to which a layer holding both forms multiplies by its int4 codes (see module doc)."""
 
 
 def default_weight_loader(
@@ -50,10 +67,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.packed: Int4PackedWeight | None = None
-        """Set (and `weight` dropped) when the layer runs on GGUF codes."""
+        """Set when the layer also runs on GGUF codes (for inputs of at most PACKED_MAX_ROWS)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if self.packed is None or (self.weight is not None and x.shape[0] > PACKED_MAX_ROWS):
             return F.linear(x, self.weight, self.bias)
         y = self.packed(x)
         return y if self.bias is None else y + self.bias
@@ -62,22 +79,32 @@ class Linear(nn.Module):
         """shard id -> the rows of `weight` it fills."""
         return {None: self.weight.data}
 
-    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
-        """Pack quantized shards for the int4 kernel (bf16 only), or dequantize them in place."""
+    def process_weights_after_loading(self, dtype: torch.dtype, quantize: str | None = None) -> None:
+        """Dequantize quantized shards into the dense weight and, for bf16 when every shard is
+        packable, also pack them for the int4 kernel. quantize ("int4" / "int8", bf16 only):
+        replace the dense weight by its packed quantization instead."""
         pending = take_pending_quant(self.weight)
+        if quantize is not None:
+            slices = self._shard_slices()
+            for shard_id, weight in pending.items():
+                _check_shape(weight, slices[shard_id].shape)
+                slices[shard_id].copy_(weight.dequantize())
+            codes = quantize_weight(self.weight.data, quantize) if dtype == torch.bfloat16 else None
+            if codes is not None:
+                self.packed = Int4PackedWeight(codes, dtype)
+                self.weight = None
+            return
         if not pending:
             return
         slices = self._shard_slices()
         for shard_id, weight in pending.items():
             _check_shape(weight, slices[shard_id].shape)
+        for shard_id, weight in pending.items():
+            slices[shard_id].copy_(weight.dequantize())
         if dtype == torch.bfloat16 and pending.keys() == slices.keys():
             merged = concat_rows([pending[shard_id] for shard_id in slices])
-            if merged is not None:
+            if merged is not None:  # None: mixed types, dense only
                 self.packed = Int4PackedWeight(merged, dtype)
-                self.weight = None
-                return
-        for shard_id, weight in pending.items():  # mixed types or not bf16: the dense path
-            slices[shard_id].copy_(weight.dequantize())
 
 
 class MergedLinear(Linear):
@@ -117,8 +144,8 @@ class MergedLinear(Linear):
 class VocabEmbedding(nn.Module):
     """Token embedding [vocab, hidden]; with `serves_as_head` also the tied output projection.
 
-    Loaded from GGUF codes it keeps them: a lookup dequantizes only the rows it gathers, and the
-    tied head multiplies by an int4-packed copy (bf16) instead of a dense bf16 matrix.
+    Loaded from GGUF codes in bf16, the tied head also keeps an int4-packed copy for inputs of at
+    most PACKED_MAX_ROWS rows (decode of one to a few requests), where it is ~4x faster.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, serves_as_head: bool) -> None:
@@ -127,33 +154,34 @@ class VocabEmbedding(nn.Module):
             torch.empty(num_embeddings, embedding_dim), requires_grad=False
         )
         self.serves_as_head = serves_as_head
-        self.quant: GGUFQuantWeight | None = None
-        """Codes with fp32 scales (a plain attribute: `module.to(dtype)` must not round them)."""
         self.packed_head: Int4PackedWeight | None = None
-        self.dtype: torch.dtype | None = None
+        self.dense_head_above_max_rows = True
+        """False when the head was quantized on request (--quantization int4/int8)."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
-            return F.embedding(input_ids, self.weight)
-        rows = self.quant.dequantize(input_ids.reshape(-1))
-        return rows.to(self.dtype).view(*input_ids.shape, -1)
+        return F.embedding(input_ids, self.weight)
 
     def as_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in the compute dtype."""
-        if self.packed_head is not None:
+        if self.packed_head is not None and (
+            hidden_states.shape[0] <= PACKED_MAX_ROWS or not self.dense_head_above_max_rows
+        ):
             return self.packed_head(hidden_states)
         return F.linear(hidden_states, self.weight)
 
-    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+    def process_weights_after_loading(self, dtype: torch.dtype, quantize: str | None = None) -> None:
+        """Dequantize GGUF codes into the table; for a tied head in bf16 also pack the codes (or,
+        with `quantize`, a fresh int4/int8 quantization used for every row count)."""
         pending = take_pending_quant(self.weight)
-        if not pending:
+        if pending:
+            _check_shape(pending[None], self.weight.shape)
+            self.weight.data.copy_(pending[None].dequantize())
+        if dtype != torch.bfloat16 or not self.serves_as_head:
             return
-        weight = pending[None]
-        _check_shape(weight, self.weight.shape)
-        if dtype != torch.bfloat16:
-            self.weight.data.copy_(weight.dequantize())
-            return
-        self.quant, self.dtype = weight, dtype
-        if self.serves_as_head:
-            self.packed_head = Int4PackedWeight(weight, dtype)
-        self.weight = None
+        if quantize is not None:
+            codes = quantize_weight(self.weight.data, quantize)
+            if codes is not None:
+                self.packed_head = Int4PackedWeight(codes, dtype)
+                self.dense_head_above_max_rows = False
+        elif pending:
+            self.packed_head = Int4PackedWeight(pending[None], dtype)

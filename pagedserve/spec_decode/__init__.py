@@ -49,6 +49,8 @@ class TargetInfo:
     device: torch.device
     keep_packed: bool
     """Load a separate draft's GGUF weights packed, as the target's are."""
+    quantize_on_load: str | None = None
+    """Quantize a separate draft's weights on load ("int4" / "int8"), as the target's are."""
 
 
 def create_proposer(config: SpeculativeConfig, target: TargetInfo | None = None) -> Proposer:
@@ -74,7 +76,7 @@ def create_proposer(config: SpeculativeConfig, target: TargetInfo | None = None)
 
             model_config = load_model_config(config.model)
             model = load_model(config.model, model_config, target.dtype, target.device,
-                               target.keep_packed)
+                               target.keep_packed, target.quantize_on_load)
             num_layers = model_config.num_hidden_layers
         return DraftModelProposer(
             model, model_config, num_layers, config.num_speculative_tokens,

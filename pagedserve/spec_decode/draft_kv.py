@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.attention.paged import kv_cache_shape
 from pagedserve.core.block_pool import BlockPool, KVCacheBlock
 from pagedserve.core.kv_cache_manager import cdiv
 
@@ -43,7 +44,7 @@ class DraftKVCache:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks, enable_caching=False)
         # Zeroed for the same reason as the target's: masked slots still pass through softmax @ V.
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device))

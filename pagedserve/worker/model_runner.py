@@ -7,12 +7,14 @@ and the sampler; it knows nothing about queues, priorities or text.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from pagedserve.attention import AttentionMetadata, forward_context
+from pagedserve.attention.paged import kv_cache_shape
 from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedserve.models import get_model_class
@@ -44,15 +46,26 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     keep_packed: bool = False,
+    quantize_on_load: str | None = None,
 ) -> torch.nn.Module:
-    """keep_packed: run GGUF 4/8-bit weights on their codes (bf16 on the CPU; see quantized.py)."""
+    """keep_packed: also run GGUF 4/8-bit weights on their codes (bf16 on the CPU; see
+    layers/linear.py). quantize_on_load: "int4" / "int8" quantize every linear weight instead."""
     with torch.device(device):
         model = get_model_class(model_config.architecture)(model_config, dtype)
-    model.load_weights(iter_model_weights(model_path, dtype, keep_packed))
+    model.load_weights(iter_model_weights(model_path, dtype, keep_packed and not quantize_on_load))
     for module in model.modules():  # pack what arrived packed, or dequantize it
         if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading(dtype)
+            module.process_weights_after_loading(dtype, quantize_on_load)
     return model.to(dtype).eval()
+
+
+def usable_cpu_count() -> int:
+    """CPUs this process may run on (taskset / cgroup cpusets narrow it). torch's default counts
+    every core of the machine, and more threads than usable cores stall each other badly."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def kv_cache_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -76,13 +89,14 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.device = torch.device(device_config.device)
         self.dtype = _DTYPES[device_config.dtype]
-        if device_config.num_threads is not None:
-            torch.set_num_threads(device_config.num_threads)
+        if self.device.type == "cpu":
+            torch.set_num_threads(device_config.num_threads or usable_cpu_count())
         # Unseeded requests draw from the global generator: seed it so a run is repeatable.
         torch.manual_seed(device_config.seed)
 
         self.model = model or load_model(
-            model_path, model_config, self.dtype, self.device, device_config.keeps_weights_packed
+            model_path, model_config, self.dtype, self.device,
+            device_config.keeps_weights_packed, device_config.quantize_on_load,
         )
 
         bytes_per_block = kv_cache_bytes_per_block(model_config, self.block_size, self.dtype)
@@ -91,8 +105,8 @@ class ModelRunner:
         )
         # Zeroed, not empty: masked positions still pass through softmax @ V, and a NaN there
         # would poison the row (0 * NaN = NaN).
-        shape = (self.num_kv_blocks, self.block_size, model_config.num_key_value_heads,
-                 model_config.head_dim)
+        shape = kv_cache_shape(self.num_kv_blocks, self.block_size,
+                               model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -107,7 +121,7 @@ class ModelRunner:
         if speculative_config is not None:
             self.proposer = create_proposer(speculative_config, TargetInfo(
                 self.model, model_config, self.num_kv_blocks, self.block_size, self.dtype,
-                self.device, device_config.keeps_weights_packed,
+                self.device, device_config.keeps_weights_packed, device_config.quantize_on_load,
             ))
         self.requests: dict[str, CachedRequestState] = {}
 

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.paged import PREFILL_QUERY_BLOCK, paged_attention, write_kv
+from pagedserve.attention.paged import (
+    PREFILL_QUERY_BLOCK,
+    kv_cache_shape,
+    paged_attention,
+    write_kv,
+)
 from pagedserve.attention.reference import reference_paged_attention
 
 BLOCK_SIZE = 4
@@ -35,7 +40,7 @@ def build_batch(query_lens, context_lens, num_blocks=64, seed=0):
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     num_decodes = sum(1 for q in query_lens if q == 1)
     assert query_lens[:num_decodes] == [1] * num_decodes, "decodes must come first"
-    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    cache_shape = kv_cache_shape(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     key_cache, value_cache = torch.randn(cache_shape), torch.randn(cache_shape)
     meta = AttentionMetadata(
         num_decodes=num_decodes,
@@ -82,12 +87,22 @@ def test_write_kv_lands_in_the_slots_the_table_names():
     # row 1 has 2 tokens of context and 3 new ones: batch tokens 1..3 go to positions 2..4
     for j, pos in enumerate(range(2, 5), start=1):
         block = block_table[1][pos // BLOCK_SIZE]
-        torch.testing.assert_close(key_cache[block, pos % BLOCK_SIZE], k[j])
+        torch.testing.assert_close(key_cache[:, block, pos % BLOCK_SIZE], k[j])
 
 
 def test_decode_mask_ignores_stale_blocks_past_the_sequence():
     """Padded block-table entries (block 0) and stale slots past seq_len must not leak in."""
     q, key_cache, value_cache, meta = build_batch([1, 1], [2, 40])
     expected = paged_attention(q, key_cache, value_cache, meta)
-    key_cache[0].fill_(1e4)  # the null block the short request's table is padded with
+    key_cache[:, 0].fill_(1e4)  # the null block the short request's table is padded with
     torch.testing.assert_close(paged_attention(q, key_cache, value_cache, meta), expected)
+
+
+def test_bf16_matches_reference_within_bf16_rounding():
+    """The bf16 path computes decode scores in bf16 (see _decode_attention): bound the error."""
+    q, key_cache, value_cache, meta = build_batch([1, 1, 1, 20], [7, 100, 33, 40])
+    expected = reference_paged_attention(q, key_cache, value_cache, meta)
+    actual = paged_attention(
+        q.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), meta
+    ).float()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)

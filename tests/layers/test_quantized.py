@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.layers.linear import Linear, MergedLinear
+from pagedserve.layers.linear import PACKED_MAX_ROWS, Linear, MergedLinear
 from pagedserve.layers.quantized import (
     GQT,
     PACKABLE_TYPES,
@@ -20,6 +20,7 @@ from pagedserve.layers.quantized import (
     decode_gguf_blocks,
     int4_scales_and_zeros,
     q8_0_as_int4,
+    quantize_weight,
 )
 
 # Byte offsets of the fp16 fields in each block: d (and m / dmin).
@@ -131,7 +132,16 @@ def test_merged_layer_packs_same_type_shards_and_falls_back_on_mixed():
 
     four_bit = MergedLinear(k, {"q": 64, "k": 32, "v": 32})
     _loaded_linear(four_bit, {"q": q, "k": kk, "v": kk}, torch.bfloat16)
-    assert four_bit.packed is not None and four_bit.weight is None
+    assert four_bit.packed is not None
+    # Both forms are kept: few rows go to the int4 kernel, more rows to the dense bf16 matrix.
+    four_bit_dense = torch.cat([q.dequantize(), kk.dequantize(), kk.dequantize()])
+    assert torch.equal(four_bit.weight, four_bit_dense.to(torch.bfloat16))
+    few = x[:PACKED_MAX_ROWS]
+    many = torch.randn(PACKED_MAX_ROWS + 1, k).to(torch.bfloat16)
+    torch.testing.assert_close(four_bit(few), four_bit.packed(few))
+    torch.testing.assert_close(four_bit(many), many @ four_bit.weight.t())
+    packed_many, dense_many = four_bit.packed(many).float(), four_bit(many).float()
+    assert (packed_many - dense_many).norm() < 1e-2 * dense_many.norm()  # bf16 rounding only
 
     mixed = MergedLinear(k, {"q": 64, "k": 32, "v": 32})
     _loaded_linear(mixed, {"q": q, "k": kk, "v": v8}, torch.bfloat16)
@@ -168,5 +178,33 @@ def test_quantization_option_keeps_fp32_and_cuda_dense():
     assert not DeviceConfig(dtype="float32", quantization="auto").keeps_weights_packed
     assert not DeviceConfig(dtype="bfloat16", quantization="none").keeps_weights_packed
     assert not DeviceConfig(device="cuda", quantization="auto").keeps_weights_packed
+    assert DeviceConfig(dtype="bfloat16", quantization="int8").quantize_on_load == "int8"
+    assert DeviceConfig(dtype="bfloat16", quantization="int4").quantize_on_load == "int4"
+    assert DeviceConfig(dtype="float32", quantization="int4").quantize_on_load is None
+    assert DeviceConfig(dtype="bfloat16", quantization="auto").quantize_on_load is None
     with pytest.raises(ValueError, match="quantization"):
-        DeviceConfig(quantization="int4")
+        DeviceConfig(quantization="int3")
+
+
+@pytest.mark.parametrize("scheme,levels", [("int4", 15), ("int8", 254)])
+def test_quantize_on_load_error_is_at_most_half_a_step(scheme, levels):
+    torch.manual_seed(0)
+    weight = torch.randn(64, 128) * torch.logspace(-3, 1, 64)[:, None]  # rows of many scales
+    weight[3, :32] = 0.5  # a constant group: scale 0 must not divide by zero
+    codes = quantize_weight(weight, scheme)
+    groups = weight.view(64, 4, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15 if scheme == "int4" else (
+        groups.abs().amax(-1) / 127
+    )
+    error = (codes.dequantize() - weight).abs().view(64, 4, 32)
+    assert (error <= step[..., None] / 2 + 1e-6).all()
+    assert torch.equal(codes.dequantize()[3, :32], weight[3, :32]) or scheme == "int8"
+    assert quantize_weight(torch.randn(8, 48), scheme) is None  # K not a multiple of 32
+    # and the int4 kernel reproduces it (bf16 scales): a layer quantized on load
+    layer = Linear(128, 64)
+    layer.weight.data.copy_(weight)
+    layer.process_weights_after_loading(torch.bfloat16, scheme)
+    assert layer.weight is None and layer.packed is not None
+    x = torch.randn(20, 128).to(torch.bfloat16)  # more rows than PACKED_MAX_ROWS: packed still
+    expected = x.float() @ codes.dequantize().t()
+    assert (layer(x).float() - expected).norm() < 2e-2 * expected.norm()

@@ -1,42 +1,56 @@
-"""The real model run on its packed GGUF codes (bf16, int4 kernel) against the dense fp32 model.
+"""The real model on its packed GGUF codes (bf16, int4 kernel) against the dense fp32 model.
 
-The packed model is not the same computation (bf16 activations, bf16 scales), so tokens may
-diverge where two candidates are nearly tied; the test bounds how far its logprobs drift from the
-fp32 reference, teacher-forced along the reference's own greedy continuation, and compares that
-drift with the dense bf16 model's (the current default) on the same tokens.
+The default bf16 engine (`--quantization auto`) multiplies by the int4 codes for inputs of at
+most PACKED_MAX_ROWS rows and by a dense bf16 copy above; these tests force the int4 path for
+every row count (monkeypatching the threshold) so that its numerics are what is measured, and
+also run the default mix.
+
+The packed model is not the same computation as fp32 (bf16 activations, bf16 scales), so tokens
+may diverge where two candidates are nearly tied; the tests bound how far its logprobs drift from
+the fp32 reference, teacher-forced along the reference's own greedy continuation, compare that
+with the dense bf16 model's drift, and compare perplexity on a fixed public-domain text.
 """
 
 from __future__ import annotations
 
+import math
+import pathlib
 import statistics
 
 import pytest
 
+import pagedserve.layers.linear as linear_module
 from pagedserve.sampling_params import SamplingParams
 from tests.prompts import PARITY_PROMPTS
 
-NUM_NEW_TOKENS = 32
-# The shared prompts up to ~600 tokens (the two ~1,300-1,500 token ones would double the time).
-PROMPTS = PARITY_PROMPTS[:9] + [
-    "<|im_start|>user\nWrite a haiku about autumn leaves.<|im_end|>\n<|im_start|>assistant\n"
+NUM_NEW_TOKENS = 64
+_EXTRA_PROMPTS = [
+    "Write a haiku about autumn leaves.",
+    "What is the capital of France? Answer in one sentence.",
+    "Explain what a hash table is to a child.",
+    "List three uses of copper.",
+    "Translate 'good morning' into Spanish and German.",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?",
+    "Give me a short recipe for pancakes.",
+    "What does HTTP stand for?",
+    "Describe a cat in two sentences.",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
 ]
+# The shared prompts up to ~600 tokens (the two ~1,300-1,500 token ones would double the time),
+# plus short chat prompts: 20 in all.
+PROMPTS = PARITY_PROMPTS[:9] + [
+    f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n" for p in _EXTRA_PROMPTS
+]
+TEXT = (pathlib.Path(__file__).parent.parent / "data" / "declaration_of_independence.txt").read_text()
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def packed_llm(model_path, tokenizer):
-    from pagedserve.engine.arg_utils import EngineArgs
-    from pagedserve.engine.llm import LLM
-    from pagedserve.engine.llm_engine import LLMEngine
-
-    config = EngineArgs(
-        model=model_path, dtype="bfloat16", quantization="auto", kv_cache_memory="256MiB"
-    ).create_engine_config()
-    assert config.device.keeps_weights_packed
-    engine = LLMEngine(config, tokenizer=tokenizer)
-    yield LLM.from_engine(engine)
-    engine.assert_idle()
+@pytest.fixture
+def int4_everywhere(monkeypatch):
+    """Route every matmul of a packed layer through the int4 kernel, whatever its row count."""
+    monkeypatch.setattr(linear_module, "PACKED_MAX_ROWS", 1 << 30)
 
 
 def _teacher_forced_logprobs(llm, sequences: list[list[int]], num_prompt: list[int]):
@@ -49,16 +63,29 @@ def _teacher_forced_logprobs(llm, sequences: list[list[int]], num_prompt: list[i
     ]
 
 
-def test_packed_bf16_tracks_fp32_reference(make_llm, packed_llm, tokenizer):
-    model = packed_llm.engine.model_runner.model
-    assert model.model.layers[0].mlp.gate_up_proj.packed is not None
+def _perplexity(llm, token_ids: list[int]) -> float:
+    [logprobs] = _teacher_forced_logprobs(llm, [token_ids], [1])
+    return math.exp(-statistics.mean(logprobs))
+
+
+def test_default_bf16_engine_holds_both_forms(make_llm):
+    llm = make_llm(dtype="bfloat16")  # quantization="auto" is the default
+    model = llm.engine.model_runner.model
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    assert gate_up.packed is not None and gate_up.weight is not None
     assert model.model.embed_tokens.packed_head is not None  # tied Q8_0 head, int4 split
+    assert make_llm(dtype="float32").engine.model_runner.model.model.layers[0].mlp.gate_up_proj \
+        .packed is None
+
+
+def test_packed_bf16_tracks_fp32_reference(make_llm, tokenizer, int4_everywhere):
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     greedy = SamplingParams(
         temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS, logprobs=0
     )
     requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
     reference = make_llm(dtype="float32").generate(requests, greedy)
+    packed_llm = make_llm(dtype="bfloat16")
     packed = packed_llm.generate(requests, greedy)
 
     ref_tokens = [out.outputs[0].token_ids for out in reference]
@@ -74,7 +101,8 @@ def test_packed_bf16_tracks_fp32_reference(make_llm, packed_llm, tokenizer):
     sequences = [ids + tokens for ids, tokens in zip(prompt_ids, ref_tokens)]
     starts = [len(ids) for ids in prompt_ids]
     drift = {}
-    for name, llm in (("packed bf16", packed_llm), ("dense bf16", make_llm(dtype="bfloat16"))):
+    dense_llm = make_llm(dtype="bfloat16", quantization="none")
+    for name, llm in (("packed bf16", packed_llm), ("dense bf16", dense_llm)):
         forced = _teacher_forced_logprobs(llm, sequences, starts)
         diffs = [abs(a - b) for fs, rs in zip(forced, ref_logprobs) for a, b in zip(fs, rs)]
         drift[name] = (statistics.mean(diffs), max(diffs))
@@ -88,3 +116,38 @@ def test_packed_bf16_tracks_fp32_reference(make_llm, packed_llm, tokenizer):
     assert mean < 0.05 and worst < 1.0, drift
     assert mean < 3 * drift["dense bf16"][0] + 0.01, drift
     assert sum(agreeing) >= 0.5 * NUM_NEW_TOKENS * len(PROMPTS), agreeing
+
+
+def test_perplexity_within_one_percent_of_fp32(make_llm, tokenizer, monkeypatch):
+    token_ids = tokenizer.encode(TEXT)
+    assert len(token_ids) > 700
+    reference = _perplexity(make_llm(dtype="float32"), token_ids)
+    default_mix = _perplexity(make_llm(dtype="bfloat16"), token_ids)  # prefill: dense bf16 rows
+    monkeypatch.setattr(linear_module, "PACKED_MAX_ROWS", 1 << 30)
+    int4 = _perplexity(make_llm(dtype="bfloat16"), token_ids)
+    print(f"\nperplexity over {len(token_ids)} tokens: fp32 {reference:.4f}, "
+          f"bf16 default {default_mix:.4f}, bf16 int4 everywhere {int4:.4f}")
+    assert abs(int4 / reference - 1) < 0.01, (int4, reference)
+    assert abs(default_mix / reference - 1) < 0.01, (default_mix, reference)
+
+
+# Measured: fp32 19.82, int8 19.47 (-1.8%), int4 20.81 (+5.0%): a second rounding of weights
+# that are already 4/8-bit (int4 also re-quantizes the Q8_0 tied head). These modes are meant
+# for bf16/fp32 checkpoints; a GGUF file is best run with "auto" (its own codes, tested above).
+ON_LOAD_PERPLEXITY_TOLERANCE = {"int8": 0.03, "int4": 0.07}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantize_on_load_perplexity(make_llm, tokenizer, scheme):
+    """--quantization int8/int4 quantize every linear weight (here the dequantized GGUF ones)
+    per 32-element group on load and run packed only."""
+    token_ids = tokenizer.encode(TEXT)
+    reference = _perplexity(make_llm(dtype="float32"), token_ids)
+    llm = make_llm(dtype="bfloat16", quantization=scheme)
+    layer = llm.engine.model_runner.model.model.layers[0]
+    assert layer.mlp.down_proj.weight is None and layer.mlp.down_proj.packed is not None
+    quantized = _perplexity(llm, token_ids)
+    print(f"\nperplexity over {len(token_ids)} tokens: fp32 {reference:.4f}, {scheme} {quantized:.4f}")
+    assert abs(quantized / reference - 1) < ON_LOAD_PERPLEXITY_TOLERANCE[scheme], (
+        quantized, reference
+    )
