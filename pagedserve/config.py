@@ -153,7 +153,9 @@ class DeviceConfig:
         return self.dtype == "bfloat16" and self.device == "cpu"
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SELF_DRAFT = "self"
+"""`model` value of a draft made from the target's own first `draft_num_layers` layers."""
 
 
 @dataclass(frozen=True)
@@ -162,16 +164,24 @@ class SpeculativeConfig:
     target forward pass, keep the ones the rejection sampler accepts (the output distribution is
     unchanged)."""
 
-    method: str = "ngram"
-    """The proposer: "ngram" (prompt lookup)."""
+    method: str | None = None
+    """The proposer: "ngram" (prompt lookup) or "draft_model" (a smaller model). Left out, it is
+    inferred as vLLM does: "draft_model" when `model` is given, else "ngram"."""
     num_speculative_tokens: int = 4
     """Draft tokens proposed per request per step (capped by max_tokens and max_model_len)."""
     prompt_lookup_max: int = 4
     """n-gram: the longest suffix of the context to look up earlier in the context."""
     prompt_lookup_min: int = 1
     """n-gram: the shortest suffix worth a lookup."""
+    model: str | None = None
+    """draft_model: a short model name, GGUF file or HF directory sharing the target's tokenizer;
+    or "self": the target's own first `draft_num_layers` layers (shared weights, own KV)."""
+    draft_num_layers: int | None = None
+    """draft_model with model "self": how many of the target's layers the draft runs."""
 
     def __post_init__(self) -> None:
+        if self.method is None:  # frozen: set the inferred method once, here
+            object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
@@ -185,6 +195,27 @@ class SpeculativeConfig:
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+        if self.method == "ngram" and (self.model is not None or self.draft_num_layers is not None):
+            raise ValueError("method 'ngram' takes no 'model' or 'draft_num_layers'")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError("method 'draft_model' needs 'model' (a model name or path, "
+                                 f"or {SELF_DRAFT!r} with 'draft_num_layers')")
+            if self.is_self_draft != (self.draft_num_layers is not None):
+                raise ValueError(f"'draft_num_layers' goes with model {SELF_DRAFT!r}, and only there")
+            if self.is_self_draft and self.draft_num_layers < 1:
+                raise ValueError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")
+
+    @property
+    def is_self_draft(self) -> bool:
+        return self.method == "draft_model" and self.model == SELF_DRAFT
+
+    @property
+    def draft_model_path(self) -> str | None:
+        """The separate draft model to load (None for n-gram and self-drafts)."""
+        if self.method != "draft_model" or self.is_self_draft:
+            return None
+        return self.model
 
     @classmethod
     def from_dict(cls, values: dict) -> SpeculativeConfig:

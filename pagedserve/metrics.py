@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedserve.core.scheduler import SchedulerStats
+from pagedserve.core.scheduler import SchedulerStats, SpecDecodingStats
 from pagedserve.outputs import RequestOutput
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
@@ -67,6 +67,56 @@ class _RequestState:
     ttft_observed: bool = False
 
 
+class _SpecDecodeMetrics:
+    """Speculative decoding's counters, named like vLLM's `vllm:spec_decode_*`. Rates are ratios
+    of counters (acceptance rate = accepted / draft tokens; at position i = accepted_per_pos /
+    draft_tokens_per_pos); the mean accepted length since start is also a gauge."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry, num_positions: int) -> None:
+        labels = {"model_name": model_name}
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pagedserve:spec_decode_{name}", doc, ["model_name"],
+                           registry=registry).labels(**labels)
+
+        def per_pos_counter(name: str, doc: str) -> list[Counter]:
+            family = Counter(f"pagedserve:spec_decode_{name}", doc, ["model_name", "position"],
+                             registry=registry)
+            return [family.labels(model_name=model_name, position=str(pos))
+                    for pos in range(num_positions)]
+
+        self.num_drafts = counter("num_drafts", "Draft runs verified (one per request per step).")
+        self.num_draft_tokens = counter("num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = counter("num_accepted_tokens", "Draft tokens accepted.")
+        self.num_draft_tokens_per_pos = per_pos_counter(
+            "num_draft_tokens_per_pos", "Draft runs with a token at this position (from 0).")
+        self.num_accepted_tokens_per_pos = per_pos_counter(
+            "num_accepted_tokens_per_pos", "Draft runs whose token at this position was accepted.")
+        self.mean_acceptance_length = Gauge(
+            "pagedserve:spec_decode_mean_acceptance_length",
+            "Tokens gained per verifying step since start: 1 + accepted / drafts.",
+            ["model_name"], registry=registry).labels(**labels)
+        self._last = SpecDecodingStats()
+
+    def record(self, stats: SpecDecodingStats) -> None:
+        """Advance every counter by its growth since the last call (a drop: a new engine)."""
+        last = self._last if stats.num_drafts >= self._last.num_drafts else SpecDecodingStats()
+        self.num_drafts.inc(stats.num_drafts - last.num_drafts)
+        self.num_draft_tokens.inc(stats.num_draft_tokens - last.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens - last.num_accepted_tokens)
+        for counters, now, before in (
+            (self.num_draft_tokens_per_pos, stats.num_draft_tokens_per_pos,
+             last.num_draft_tokens_per_pos),
+            (self.num_accepted_tokens_per_pos, stats.num_accepted_tokens_per_pos,
+             last.num_accepted_tokens_per_pos),
+        ):
+            for pos, counter in enumerate(counters):
+                value = now[pos] if pos < len(now) else 0
+                counter.inc(value - (before[pos] if pos < len(before) else 0))
+        self.mean_acceptance_length.set(stats.mean_acceptance_length)
+        self._last = stats.copy()
+
+
 class PrometheusStatLogger:
     """One engine's metrics in one registry. `record_*` may run on any one thread while another
     renders; prometheus_client's metrics are thread-safe and our own state is under a lock."""
@@ -77,9 +127,11 @@ class PrometheusStatLogger:
         registry: CollectorRegistry | None = None,
         *,
         max_model_len: int = 131072,
+        num_speculative_tokens: int | None = None,
     ) -> None:
         """`registry`: default, a fresh one owned by this logger. `max_model_len` bounds the
-        token-count histograms' buckets."""
+        token-count histograms' buckets. `num_speculative_tokens`: the engine speculates, so
+        export its acceptance counters (one per-position series per draft position)."""
         self.model_name = model_name
         self.registry = CollectorRegistry() if registry is None else registry
         self._lock = threading.Lock()
@@ -149,6 +201,10 @@ class PrometheusStatLogger:
             "grammar_mask_time_seconds", "Per engine step with constrained rows: time to fill "
             "their token bitmasks.", GRAMMAR_MASK_BUCKETS)
         self._structured_seen = {"requests": 0, "failures": 0, "compiles": 0, "masks": 0}
+        self._spec_decode: _SpecDecodeMetrics | None = None
+        if num_speculative_tokens is not None:
+            self._spec_decode = _SpecDecodeMetrics(
+                model_name, self.registry, num_speculative_tokens)
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt tokens per finished request.", token_buckets)
@@ -172,6 +228,8 @@ class PrometheusStatLogger:
                 # behind this logger); Prometheus counts that as a reset, so all of it is new.
                 counter.inc(value - last if value >= last else value)
                 self._last_counter_values[field_name] = value
+            if self._spec_decode is not None:
+                self._spec_decode.record(stats.spec_decoding)
             self._record_structured_output(stats.structured_output)
 
     def _record_structured_output(self, stats) -> None:

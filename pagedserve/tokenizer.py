@@ -221,6 +221,10 @@ class Tokenizer:
         """Vocabulary spellings (byte-level, e.g. 'Ġhello'), not text."""
         return [self._tokenizer.id_to_token(token_id) for token_id in ids]
 
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included (to compare two models' vocabularies)."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
     def decode_token(self, token_id: int) -> str:
         """One token as text, for logprob display; a partial UTF-8 character shows as U+FFFD."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)

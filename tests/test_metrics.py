@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.core.scheduler import SchedulerStats
+from pagedserve.core.scheduler import SchedulerStats, SpecDecodingStats
 from pagedserve.metrics import PrometheusStatLogger, build_1_2_5_buckets
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -82,6 +82,34 @@ def test_gauges_and_counters_follow_scheduler_stats():
     samples = scrape(stat_logger)
     assert samples[("pagedserve:prompt_tokens_total",)] == 91
     assert samples[("pagedserve:generation_tokens_total",)] == 8
+
+
+def test_spec_decode_counters_follow_scheduler_stats():
+    stat_logger = PrometheusStatLogger(MODEL, num_speculative_tokens=3)
+    samples = scrape(stat_logger)  # present, at 0, before any draft
+    assert samples[("pagedserve:spec_decode_num_drafts_total",)] == 0
+    assert samples[("pagedserve:spec_decode_num_accepted_tokens_per_pos_total",
+                    ("position", "2"))] == 0
+    spec = SpecDecodingStats()
+    spec.observe(3, 2)
+    spec.observe(3, 0)
+    stat_logger.record_step(stats(spec_decoding=spec.copy()), 1.0)
+    spec.observe(2, 2)
+    stat_logger.record_step(stats(spec_decoding=spec.copy()), 2.0)
+    samples = scrape(stat_logger)
+    assert samples[("pagedserve:spec_decode_num_drafts_total",)] == 3
+    assert samples[("pagedserve:spec_decode_num_draft_tokens_total",)] == 8
+    assert samples[("pagedserve:spec_decode_num_accepted_tokens_total",)] == 4
+    accepted = [samples[("pagedserve:spec_decode_num_accepted_tokens_per_pos_total",
+                         ("position", str(pos)))] for pos in range(3)]
+    drafted = [samples[("pagedserve:spec_decode_num_draft_tokens_per_pos_total",
+                        ("position", str(pos)))] for pos in range(3)]
+    assert accepted == [2, 2, 0] and drafted == [3, 3, 2]
+    assert samples[("pagedserve:spec_decode_mean_acceptance_length",)] == 1 + 4 / 3
+    # Without speculation there is no spec_decode series at all (as in vLLM).
+    plain = PrometheusStatLogger(MODEL)
+    plain.record_step(stats(), 1.0)
+    assert not any("spec_decode" in key[0] for key in scrape(plain))
 
 
 def test_request_lifecycle_histograms():

@@ -54,17 +54,25 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--questions-per-doc", type=int, default=None,
                        help="doc-qa: questions per document (default: num-prompts / num-docs)")
     group.add_argument("--question-len", type=int, default=32, help="doc-qa: tokens per question")
+    group.add_argument("--quote-len", type=int, default=0,
+                       help="doc-qa: end each question with this many tokens quoted from a random "
+                            "place of its document, so answers tend to continue the quote (what "
+                            "n-gram speculation feeds on); 0: no quote")
 
 
 def validate_dataset_args(args: argparse.Namespace) -> None:
     for name in ("num_prompts", "input_len", "output_len", "num_docs", "doc_len", "question_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.quote_len <= args.doc_len:
+        raise ValueError(f"--quote-len must be in [0, --doc-len], got {args.quote_len}")
     if args.questions_per_doc is not None and args.questions_per_doc < 1:
         raise ValueError(f"--questions-per-doc must be >= 1, got {args.questions_per_doc}")
 
 
-def _make_prompts(args: argparse.Namespace, sample: Callable[[int], list[T]]) -> list[list[T]]:
+def _make_prompts(
+    args: argparse.Namespace, sample: Callable[[int], list[T]], rng: random.Random
+) -> list[list[T]]:
     """Prompts of `sample(n)` units (token ids or words), shaped by args.dataset."""
     if args.dataset == "random":
         # Unique per prompt with overwhelming probability; the first token alone makes a clash
@@ -74,7 +82,13 @@ def _make_prompts(args: argparse.Namespace, sample: Callable[[int], list[T]]) ->
     docs = [sample(args.doc_len) for _ in range(args.num_docs)]
     # Interleaved (q0 of d0, q0 of d1, q1 of d0, ...) so each document's prefix is reused
     # across requests that arrive between other documents' requests.
-    return [doc + sample(args.question_len) for _ in range(questions_per_doc) for doc in docs]
+    def question(doc: list[T]) -> list[T]:
+        if not args.quote_len:
+            return sample(args.question_len)
+        start = rng.randrange(len(doc) - args.quote_len + 1)
+        return sample(args.question_len) + doc[start : start + args.quote_len]
+
+    return [doc + question(doc) for _ in range(questions_per_doc) for doc in docs]
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int, seed: int | None = None) -> Workload:
@@ -89,7 +103,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int, seed: int | None = 
     def random_ids(num_tokens: int) -> list[int]:
         return [rng.randrange(low, high) for _ in range(num_tokens)]
 
-    return Workload(_make_prompts(args, random_ids), args.output_len)
+    return Workload(_make_prompts(args, random_ids, rng), args.output_len)
 
 
 def make_text_prompts(args: argparse.Namespace, seed: int) -> list[str]:
@@ -101,4 +115,4 @@ def make_text_prompts(args: argparse.Namespace, seed: int) -> list[str]:
     def random_words(num_words: int) -> list[str]:
         return rng.choices(WORDS, k=num_words)
 
-    return [" ".join(words) for words in _make_prompts(args, random_words)]
+    return [" ".join(words) for words in _make_prompts(args, random_words, rng)]

@@ -12,6 +12,7 @@ its requests JSON-constrained, and the table compares them (throughput ratio, ma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -27,10 +28,13 @@ from pagedserve.benchmarks.datasets import (
     make_workload,
 )
 from pagedserve.benchmarks.step_profile import format_profile, profile_steps
+from pagedserve.core.scheduler import SpecDecodingStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.tokenizer import Tokenizer
 
 WARMUP_PROMPT_LEN = 8
 WARMUP_OUTPUT_LEN = 4
@@ -47,6 +51,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="hf: also run transformers generate() on the same prompts")
     group.add_argument("--hf-batch-size", type=int, default=None,
                        help="prompts per transformers generate() call (default: all)")
+    group.add_argument("--chat-prompt", action="append", default=None, metavar="TEXT",
+                       help="instead of --dataset: this user message in the model's chat "
+                            "template (repeat the flag for several prompts)")
+    group.add_argument("--compare-no-spec", action="store_true",
+                       help="with --speculative-config: also run the same engine without "
+                            "speculation (same weights, same prompts) and print the ratio")
     group.add_argument("--output-json", type=str, default=None, help="write all results here")
     group.add_argument("--profile", action="store_true",
                        help="after the run, break one decode step (batch = --num-prompts) and one "
@@ -153,6 +163,9 @@ def run_pagedserve(
 
     num_output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     num_prompt_tokens_computed = stat_delta("num_prompt_tokens_computed")
+    spec_decode = None
+    if llm.engine.config.speculative is not None:
+        spec_decode = _spec_decode_metrics(stats_before.spec_decoding, stats_after.spec_decoding)
     metrics = {
         **_throughput_metrics(workload, len(outputs), num_output_tokens, elapsed),
         "num_prompt_tokens_computed": num_prompt_tokens_computed,
@@ -162,6 +175,7 @@ def run_pagedserve(
         "num_cached_tokens": sum(out.num_cached_tokens for out in outputs),
         "num_preemptions": stat_delta("num_preemptions"),
         "num_threads": torch.get_num_threads(),
+        "spec_decode": spec_decode,
     }
     if constraint is not None:
         so_before, so_after = stats_before.structured_output, stats_after.structured_output
@@ -177,6 +191,44 @@ def run_pagedserve(
         )
     metrics.update(_phase_metrics(outputs, start, num_prompt_tokens_computed))
     return metrics, [out.outputs[0].token_ids for out in outputs]
+
+
+def _spec_decode_metrics(before: SpecDecodingStats, after: SpecDecodingStats) -> dict[str, Any]:
+    """Speculative decoding during the timed run (the warm-up's drafts subtracted)."""
+    delta = SpecDecodingStats()
+    delta.num_drafts = after.num_drafts - before.num_drafts
+    delta.num_draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    delta.num_accepted_tokens = after.num_accepted_tokens - before.num_accepted_tokens
+    for name in ("num_draft_tokens_per_pos", "num_accepted_tokens_per_pos"):
+        now, then = getattr(after, name), getattr(before, name)
+        setattr(delta, name, [v - (then[i] if i < len(then) else 0) for i, v in enumerate(now)])
+    return {
+        "num_drafts": delta.num_drafts,
+        "num_draft_tokens": delta.num_draft_tokens,
+        "num_accepted_tokens": delta.num_accepted_tokens,
+        "acceptance_rate": delta.acceptance_rate,
+        "acceptance_rate_per_pos": delta.acceptance_rate_per_pos,
+        "mean_acceptance_length": delta.mean_acceptance_length,
+    }
+
+
+def _chat_workload(tokenizer: Tokenizer, messages: list[str], output_len: int) -> Workload:
+    """One prompt per user message, rendered with the model's chat template."""
+    prompts = [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": message}]),
+                         add_special_tokens=False)
+        for message in messages
+    ]
+    return Workload(prompts, output_len)
+
+
+def _without_speculation(llm: LLM) -> LLM:
+    """The same engine config minus speculation, over the same loaded weights and tokenizer."""
+    engine = llm.engine
+    config = dataclasses.replace(engine.config, speculative=None)
+    return type(llm).from_engine(
+        LLMEngine(config, tokenizer=engine.tokenizer, model=engine.model_runner.model)
+    )
 
 
 def _phase_metrics(
@@ -273,11 +325,24 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by parsed CLI args; print a table and return every number."""
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
+    if args.compare_no_spec and not args.speculative_config:
+        raise ValueError("--compare-no-spec needs --speculative-config")
     engine_args = EngineArgs.from_cli_args(args)
     load_average_start = os.getloadavg()[0]
     llm = LLM(**vars(engine_args))
     model_path = llm.engine.config.model_path
     workload = make_workload(args, llm.get_tokenizer().vocab_size)
+    if args.chat_prompt:
+        workload = _chat_workload(llm.get_tokenizer(), args.chat_prompt, args.output_len)
+    no_spec = None
+    if args.compare_no_spec:
+        # First, so that the speculative run does not warm the CPU caches for it; the other
+        # engine's KV pool is freed before the speculative one runs.
+        plain_llm = _without_speculation(llm)
+        no_spec, no_spec_output_ids = run_pagedserve(plain_llm, workload)
+        plain_llm.engine.assert_idle()
+        del plain_llm
+        gc.collect()
     ours, our_output_ids = run_pagedserve(llm, workload)
     profile_table = None
     if args.profile:
@@ -309,7 +374,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             "model_path": model_path,
             "dtype": engine_args.dtype,
-            "dataset": args.dataset,
+            "dataset": "chat-prompt" if args.chat_prompt else args.dataset,
             "num_prompts": len(workload.prompt_token_ids),
             "output_len": workload.output_len,
             "mean_prompt_len": workload.num_prompt_tokens / len(workload.prompt_token_ids),
@@ -320,13 +385,26 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "load_average_1min_start": load_average_start,
         },
         "pagedserve": ours,
+        "no_spec": no_spec,
+        "spec_speedup": None,
         "structured": structured,
         "hf": None,
         "output_tokens_per_s_ratio": None,
     }
-    if args.dataset == "doc-qa":
+    if no_spec is not None:
+        # Greedy both ways: speculation must not change a token (fp32; bf16 may flip near-ties).
+        no_spec["num_outputs_identical_to_ours"] = sum(
+            a == b for a, b in zip(our_output_ids, no_spec_output_ids)
+        )
+        result["spec_speedup"] = {
+            "output_tokens_per_s": ours["output_tokens_per_s"] / no_spec["output_tokens_per_s"],
+            "mean_tpot": _safe_div(no_spec["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
+        }
+    if args.chat_prompt:
+        result["config"]["chat_prompts"] = args.chat_prompt
+    elif args.dataset == "doc-qa":
         result["config"].update(num_docs=args.num_docs, doc_len=args.doc_len,
-                                question_len=args.question_len)
+                                question_len=args.question_len, quote_len=args.quote_len)
     else:
         result["config"]["input_len"] = args.input_len
     if args.baseline == "hf":
@@ -351,6 +429,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def format_table(result: dict[str, Any]) -> str:
     config, ours, hf = result["config"], result["pagedserve"], result["hf"]
+    no_spec = result.get("no_spec")
+    # Columns: ours, then the same engine without speculation, then transformers.
+    sides = [("pagedserve", ours)]
+    if no_spec:
+        sides = [("spec", ours), ("no spec", no_spec)]
+    if hf:
+        sides.append(("hf", hf))
 
     def number(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
@@ -377,20 +462,39 @@ def format_table(result: dict[str, Any]) -> str:
         f"mean prompt len {config['mean_prompt_len']:.0f}  output len {config['output_len']}  "
         f"threads {config['num_threads']}  load avg {config['load_average_1min_start']:.2f} -> "
         f"{config['load_average_1min_end']:.2f}",
-        f"{'':<{width}}{'pagedserve':>14}" + (f"{'hf':>14}" if hf else ""),
+        f"{'':<{width}}" + "".join(f"{name:>14}" for name, _ in sides),
     ]
     for label, key, fmt in rows:
         if key is None:
-            cells = [f"{ours['prefix_cache_hits']} / {ours['prefix_cache_queries']}"]
+            cells = [f"{side['prefix_cache_hits']} / {side['prefix_cache_queries']}"
+                     for _, side in sides if "prefix_cache_hits" in side]
         else:
             cells = []
-            for side in (ours, hf) if hf else (ours,):
+            for _, side in sides:
                 value = side.get(key)
                 if fmt == "ms":
                     cells.append(number(None if value is None else value * 1000, ".1f"))
                 else:
                     cells.append(number(value, fmt))
         lines.append(f"{label:<{width}}" + "".join(f"{cell:>14}" for cell in cells))
+    spec = ours.get("spec_decode")
+    if spec:
+        per_pos = " ".join(f"{rate:.2f}" for rate in spec["acceptance_rate_per_pos"])
+        lines += [
+            f"{'spec: drafts / draft tokens':<{width}}"
+            f"{spec['num_drafts']:>14} / {spec['num_draft_tokens']}",
+            f"{'spec: accepted tokens':<{width}}{spec['num_accepted_tokens']:>14}",
+            f"{'spec: acceptance rate':<{width}}{spec['acceptance_rate']:>14.3f}",
+            f"{'spec: acceptance rate per position':<{width}}{'':>4}{per_pos}",
+            f"{'spec: mean accepted length':<{width}}{spec['mean_acceptance_length']:>14.2f}",
+        ]
+    if no_spec:
+        speedup = result["spec_speedup"]
+        lines.append(f"{'outputs identical spec / no spec':<{width}}"
+                     f"{no_spec['num_outputs_identical_to_ours']:>14} / {config['num_prompts']}")
+        mean_tpot = speedup["mean_tpot"]
+        lines.append(f"speedup spec / no spec: output tokens/s {speedup['output_tokens_per_s']:.2f}x"
+                     + ("" if mean_tpot is None else f", decode (1 / mean TPOT) {mean_tpot:.2f}x"))
     structured = result.get("structured")
     if structured:
         lines.append(
@@ -404,8 +508,9 @@ def format_table(result: dict[str, Any]) -> str:
             f"of the time); {structured['num_constrained_finished_early']} finished before "
             "--output-len")
     if hf:
-        lines.append(f"{'hf batch size':<{width}}{'':>14}{hf['batch_size']:>14}")
-        lines.append(f"{'outputs identical to ours':<{width}}{'':>14}"
+        pad = f"{'':>14}" * (len(sides) - 1)
+        lines.append(f"{'hf batch size':<{width}}{pad}{hf['batch_size']:>14}")
+        lines.append(f"{'outputs identical to ours':<{width}}{pad}"
                      f"{hf['num_outputs_identical_to_ours']:>14}")
         ratio = result["output_tokens_per_s_ratio"]
         lines.append(f"output tokens/s ratio pagedserve / hf: {ratio:.2f}x")

@@ -390,6 +390,13 @@ class Scheduler:
             finished.append(request)
         return finished
 
+    def take_finished_req_ids(self) -> set[str]:
+        """Hand over the ids finished or preempted since the last schedule() now, instead of in
+        the next SchedulerOutput: when the engine goes idle there is no next step, and the
+        runner should not hold their state (draft KV) until one comes."""
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return finished
+
     def _free_request(self, request: Request) -> None:
         assert request.is_finished
         if request in self.running:

@@ -13,6 +13,7 @@ from pagedserve.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputConfig,
@@ -47,6 +48,22 @@ def parse_speculative_config(value: dict | str | None) -> SpeculativeConfig | No
     return SpeculativeConfig.from_dict(value)
 
 
+def _resolve_speculative_config(
+    config: SpeculativeConfig | None, target: ModelConfig
+) -> SpeculativeConfig | None:
+    """Turn a draft model's short name into its path, and check a self-draft fits the target."""
+    if config is None:
+        return None
+    if config.draft_model_path is not None:
+        return dataclasses.replace(config, model=resolve_model_path(config.draft_model_path))
+    if config.is_self_draft and config.draft_num_layers > target.num_hidden_layers:
+        raise ValueError(
+            f"draft_num_layers {config.draft_num_layers} exceeds the target model's "
+            f"{target.num_hidden_layers} layers"
+        )
+    return config
+
+
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
@@ -76,7 +93,9 @@ class EngineArgs:
     int4 / int8: quantize every linear weight on load and run packed only (bf16 on the CPU)."""
     speculative_config: dict | str | None = None
     """Speculative decoding, vLLM's keys, as a dict or JSON: e.g. {"method": "ngram",
-    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}."""
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1};
+    {"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4} (method draft_model inferred);
+    {"method": "draft_model", "model": "self", "draft_num_layers": 8}: the target's first layers."""
     max_cached_grammars: int = 128
     """Compiled structured output grammars kept (LRU)."""
     grammar_compile_timeout: float = 10.0
@@ -114,7 +133,9 @@ class EngineArgs:
                 device=self.device, dtype=self.dtype, num_threads=self.num_threads, seed=self.seed,
                 quantization=self.quantization,
             ),
-            speculative=parse_speculative_config(self.speculative_config),
+            speculative=_resolve_speculative_config(
+                parse_speculative_config(self.speculative_config), model_config
+            ),
             structured_output=StructuredOutputConfig(
                 max_cached_grammars=self.max_cached_grammars,
                 compile_timeout_s=self.grammar_compile_timeout,

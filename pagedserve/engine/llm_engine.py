@@ -23,6 +23,7 @@ from pagedserve.outputs import OutputKind, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.manager import StructuredOutputManager
+from pagedserve.spec_decode.draft_model import check_same_tokenizer
 from pagedserve.tokenizer import Tokenizer
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -52,6 +53,9 @@ class LLMEngine:
         """tokenizer, model: already loaded ones to share (tests build many engines over one)."""
         self.config = config
         self.tokenizer = tokenizer or Tokenizer.from_path(config.model_path)
+        draft_path = config.speculative.draft_model_path if config.speculative else None
+        if draft_path is not None:  # before loading its weights: a mismatch fails fast
+            check_same_tokenizer(self.tokenizer, Tokenizer.from_path(draft_path), draft_path)
         self.model_runner = ModelRunner(
             config.model_path, config.model, config.cache, config.device, model=model,
             speculative_config=config.speculative,
@@ -221,6 +225,7 @@ class LLMEngine:
             output = self.output_processor.abort_request(request_id)
             if output is not None:
                 final_outputs.append(output)
+        self._release_finished_if_idle()
         return final_outputs
 
     @property
@@ -240,7 +245,14 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(core_outputs)
         for seq_id, stop_str in processed.stopped_by_string.items():
             self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_str)
+        self._release_finished_if_idle()
         return failed_outputs + processed.request_outputs
+
+    def _release_finished_if_idle(self) -> None:
+        """Finished requests' runner state (draft KV) normally goes with the next step's
+        SchedulerOutput; with nothing left to run there is no next step, so release it now."""
+        if not self.scheduler.has_unfinished_requests():
+            self.model_runner.release_requests(self.scheduler.take_finished_req_ids())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
@@ -275,5 +287,13 @@ class LLMEngine:
             problems.append(f"{pool.num_usable_blocks - pool.num_free_blocks} KV blocks still held")
         if self.output_processor.requests:
             problems.append(f"{len(self.output_processor.requests)} output states left")
+        if self.model_runner.requests:
+            problems.append(f"{len(self.model_runner.requests)} runner request states left")
+        proposer = self.model_runner.proposer
+        if proposer is not None:
+            proposer.check_integrity()
+            if proposer.num_requests:
+                problems.append(f"the proposer holds state (draft KV) of {proposer.num_requests} "
+                                "requests")
         if problems:
             raise RuntimeError("engine not idle: " + "; ".join(problems))

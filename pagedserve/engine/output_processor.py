@@ -158,15 +158,22 @@ class OutputProcessor:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
                 state.metrics.last_token_time = now
-                seq.token_ids.extend(out.new_token_ids)
+                new_token_ids, stop_str = out.new_token_ids, None
+                if seq.detokenizer is not None and seq.finish_reason is None:
+                    num_kept, stop_str = _detokenize(seq.detokenizer, new_token_ids)
+                    new_token_ids = new_token_ids[:num_kept]
+                seq.token_ids.extend(new_token_ids)
                 if out.new_logprobs is not None and seq.logprobs is not None:
-                    for entry in out.new_logprobs:
+                    for entry in out.new_logprobs[: len(new_token_ids)]:
                         seq.logprobs.append(self._to_position_logprobs(entry))
                         seq.cumulative_logprob += entry.logprobs[0]
-                if seq.detokenizer is not None and seq.finish_reason is None:
-                    stop_str = seq.detokenizer.update(out.new_token_ids)
-                    if stop_str is not None and not out.finished:
-                        seq.finish_reason, seq.stop_reason = "stop", stop_str
+                # A stop string completed before the step's last token ends the sequence there,
+                # whatever the scheduler decided about the later tokens; at the last token the
+                # scheduler's own stop (EOS, length) wins, as it does without speculation.
+                cut_short = len(new_token_ids) < len(out.new_token_ids)
+                if stop_str is not None and (cut_short or not out.finished):
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str
+                    if not out.finished:
                         stopped_by_string[out.req_id] = stop_str
             if out.finished and seq.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
@@ -242,3 +249,18 @@ class OutputProcessor:
             rank = entry.chosen_rank if rank_index == 0 else rank_index
             result[token_id] = Logprob(logprob, rank, self.tokenizer.decode_token(token_id))
         return result
+
+
+def _detokenize(detokenizer: IncrementalDetokenizer, token_ids: list[int]) -> tuple[int, str | None]:
+    """Feed a step's tokens; returns (tokens kept, the stop string that ended the text or None).
+
+    A speculative step emits several tokens at once. With stop strings they go in one by one,
+    so a stop string completed by an early token drops the later ones (text and token ids end
+    where a one-token-per-step engine would have stopped)."""
+    if not detokenizer.stop or len(token_ids) == 1:
+        return len(token_ids), detokenizer.update(token_ids)
+    for num_fed, token_id in enumerate(token_ids, start=1):
+        stop_str = detokenizer.update([token_id])
+        if stop_str is not None:
+            return num_fed, stop_str
+    return len(token_ids), None

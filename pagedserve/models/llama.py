@@ -91,9 +91,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """num_layers: run only the first layers, then the final norm (a self-draft's pass)."""
         hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -116,9 +119,11 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: (T,) -> hidden states (T, hidden)."""
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,) -> hidden states (T, hidden). num_layers: see LlamaModel."""
+        return self.model(input_ids, positions, num_layers)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) fp32."""

@@ -7,7 +7,7 @@ sampler assumes when it gets no draft probabilities.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -18,6 +18,21 @@ class NgramProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.min_n = min_n
         self.max_n = max_n
+
+    def propose_batch(self, contexts: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+        """req_id -> tokens so far in; req_id -> drafts out, for the requests that have any."""
+        proposals = {req_id: self.propose(token_ids) for req_id, token_ids in contexts.items()}
+        return {req_id: drafts for req_id, drafts in proposals.items() if drafts}
+
+    def remove_requests(self, req_ids: Sequence[str]) -> None:
+        """Nothing to free: the n-gram proposer keeps no per-request state."""
+
+    @property
+    def num_requests(self) -> int:
+        return 0
+
+    def check_integrity(self) -> None:
+        pass
 
     def propose(self, token_ids: Sequence[int]) -> list[int]:
         """Up to num_speculative_tokens drafts; [] when no n-gram of length min_n..max_n recurs.

@@ -8,6 +8,7 @@ and the sampler; it knows nothing about queues, priorities or text.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ from pagedserve.sample.bitmask import apply_token_bitmask_
 from pagedserve.sample.rejection_sampler import RejectionSampler
 from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedserve.sampling_params import SamplingParams, SamplingType
-from pagedserve.spec_decode import create_proposer
+from pagedserve.spec_decode import TargetInfo, create_proposer
 from pagedserve.structured_output.manager import GrammarOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,14 +119,18 @@ class ModelRunner:
 
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
-        self.proposer = create_proposer(speculative_config) if speculative_config else None
+        self.proposer = None
+        if speculative_config is not None:
+            self.proposer = create_proposer(speculative_config, TargetInfo(
+                self.model, model_config, self.num_kv_blocks, self.block_size, self.dtype,
+                self.device, device_config.keeps_weights_packed, device_config.quantize_on_load,
+            ))
         self.requests: dict[str, CachedRequestState] = {}
 
     # ---- state sync -------------------------------------------------------------------------
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
+        self.release_requests(scheduler_output.finished_req_ids)
         for data in scheduler_output.scheduled_new_reqs:
             params = data.sampling_params
             generator = None
@@ -149,6 +154,13 @@ class ModelRunner:
             state = self.requests[req_id]
             state.block_ids.extend(new_block_ids)
             state.num_computed_tokens = num_computed
+
+    def release_requests(self, req_ids: Iterable[str]) -> None:
+        """Drop finished, aborted or preempted requests' state (and their draft KV)."""
+        for req_id in req_ids:
+            self.requests.pop(req_id, None)
+        if self.proposer is not None:
+            self.proposer.remove_requests(list(req_ids))
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -246,10 +258,9 @@ class ModelRunner:
         for state, num_tokens in zip(states, num_scheduled):
             state.num_computed_tokens += num_tokens - num_rejected.get(state.req_id, 0)
         if self.proposer is not None:
-            for req_id in output.sampled_token_ids:
-                drafts = self.proposer.propose(self.requests[req_id].token_ids)
-                if drafts:
-                    output.spec_token_ids[req_id] = drafts
+            output.spec_token_ids = self.proposer.propose_batch(
+                {req_id: self.requests[req_id].token_ids for req_id in output.sampled_token_ids}
+            )
         return output
 
     def _apply_grammar_bitmask(

@@ -110,6 +110,51 @@ def test_workload_is_deterministic_and_avoids_special_ids():
     assert prompts[0][:20] == prompts[2][:20] != prompts[1][:20] == prompts[3][:20]
 
 
+def test_doc_qa_questions_can_quote_their_document():
+    parser = argparse.ArgumentParser()
+    throughput.add_cli_args(parser)
+    args = parser.parse_args(["--dataset", "doc-qa", "--num-docs", "2", "--doc-len", "40",
+                              "--question-len", "5", "--quote-len", "12", "--num-prompts", "4"])
+    prompts = throughput.make_workload(args, vocab_size=1000).prompt_token_ids
+    assert all(len(p) == 40 + 5 + 12 for p in prompts)
+    for prompt in prompts:
+        doc, quote = prompt[:40], prompt[-12:]
+        assert any(doc[i : i + 12] == quote for i in range(40 - 12 + 1))
+
+
+@pytest.mark.slow
+def test_speculative_run_against_no_speculation_in_one_invocation(run_bench, capsys):
+    """--compare-no-spec: the same engine without speculation on the same prompts; greedy
+    outputs identical; the acceptance figures and the speedup are reported."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    result = run_bench("--dataset", "doc-qa", "--num-docs", "2", "--doc-len", "96",
+                       "--questions-per-doc", "1", "--question-len", "8", "--quote-len", "16",
+                       "--output-len", "12", "--speculative-config", spec, "--compare-no-spec")
+    ours = check_ours(result, num_prompts=2, output_len=12)
+    no_spec = result["no_spec"]
+    assert no_spec["num_output_tokens"] == 2 * 12 and no_spec["spec_decode"] is None
+    assert no_spec["num_outputs_identical_to_ours"] == 2
+    figures = ours["spec_decode"]
+    assert figures["num_drafts"] > 0 and 0 < figures["num_accepted_tokens"]
+    assert len(figures["acceptance_rate_per_pos"]) == 3
+    assert figures["mean_acceptance_length"] > 1
+    assert result["spec_speedup"]["output_tokens_per_s"] == pytest.approx(
+        ours["output_tokens_per_s"] / no_spec["output_tokens_per_s"])
+    out = capsys.readouterr().out
+    assert "spec: mean accepted length" in out and "speedup spec / no spec" in out
+
+
+def test_chat_prompts_instead_of_a_dataset(run_bench, tokenizer):
+    messages = ["Write hello world in Python.", "Name a prime number."]
+    result = run_bench("--chat-prompt", messages[0], "--chat-prompt", messages[1],
+                       "--output-len", "4")
+    ours = result["pagedserve"]
+    assert result["config"]["dataset"] == "chat-prompt" and ours["num_output_tokens"] == 2 * 4
+    expected = sum(len(tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": m}]), add_special_tokens=False)) for m in messages)
+    assert ours["num_prompt_tokens"] == expected
+
+
 @pytest.mark.slow
 def test_structured_fraction_compares_constrained_and_not(run_bench, capsys):
     result = run_bench("--num-prompts", "4", "--input-len", "16", "--output-len", "8",

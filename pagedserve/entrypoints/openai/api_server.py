@@ -454,8 +454,10 @@ def run_server(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig.from_cli_args(args)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    stat_logger = PrometheusStatLogger(config.served_model_name,
-                                       max_model_len=engine.config.scheduler.max_model_len)
+    speculative = engine.config.speculative
+    stat_logger = PrometheusStatLogger(
+        config.served_model_name, max_model_len=engine.config.scheduler.max_model_len,
+        num_speculative_tokens=speculative.num_speculative_tokens if speculative else None)
     async_llm = AsyncLLM(engine, [stat_logger])
     app = build_app(async_llm, config, stat_logger)
     clean = asyncio.run(serve_app(app, async_llm, config))
