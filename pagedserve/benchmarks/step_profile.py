@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+import pagedserve.models.llama as llama_module
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
 
@@ -128,7 +129,6 @@ def _instrumented(engine: LLMEngine, timer: _Timer) -> Iterator[None]:
     wrap(model, "compute_logits", "output head (logits)")
     wrap(runner, "_sample", "sampling")
     wrap(engine.output_processor, "process_outputs", "output processing")
-    import pagedserve.models.llama as llama_module
 
     original_activation = llama_module.silu_and_mul
     llama_module.silu_and_mul = timer.wrap(MLP_ACTIVATION, original_activation)

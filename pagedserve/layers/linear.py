@@ -84,24 +84,18 @@ class Linear(nn.Module):
         packable, also pack them for the int4 kernel. quantize ("int4" / "int8", bf16 only):
         replace the dense weight by its packed quantization instead."""
         pending = take_pending_quant(self.weight)
-        if quantize is not None:
-            slices = self._shard_slices()
-            for shard_id, weight in pending.items():
-                _check_shape(weight, slices[shard_id].shape)
-                slices[shard_id].copy_(weight.dequantize())
-            codes = quantize_weight(self.weight.data, quantize) if dtype == torch.bfloat16 else None
-            if codes is not None:
-                self.packed = Int4PackedWeight(codes, dtype)
-                self.weight = None
-            return
-        if not pending:
-            return
         slices = self._shard_slices()
         for shard_id, weight in pending.items():
             _check_shape(weight, slices[shard_id].shape)
-        for shard_id, weight in pending.items():
             slices[shard_id].copy_(weight.dequantize())
-        if dtype == torch.bfloat16 and pending.keys() == slices.keys():
+        if dtype != torch.bfloat16:
+            return
+        if quantize is not None:
+            codes = quantize_weight(self.weight.data, quantize)
+            if codes is not None:
+                self.packed = Int4PackedWeight(codes, dtype)
+                self.weight = None
+        elif pending and pending.keys() == slices.keys():
             merged = concat_rows([pending[shard_id] for shard_id in slices])
             if merged is not None:  # None: mixed types, dense only
                 self.packed = Int4PackedWeight(merged, dtype)

@@ -7,6 +7,11 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.sampling_params import SamplingParams
+from tests.e2e.spec_helpers import (
+    assert_spec_run_exercised_everything,
+    record_schedules,
+    stop_string_params,
+)
 from tests.prompts import _CHINESE_TEXT, _ENGLISH_STORY, source_text
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -95,32 +100,17 @@ def test_ngram_with_chunking_caching_preemption_n2_and_stop_strings(make_llm, to
     free = make_llm(enable_chunked_prefill=False, enable_prefix_caching=False).generate(
         prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     # A stop string from the middle of each plain output (where one is printable).
-    params = []
-    for out in free:
-        text = out.outputs[0].text
-        stop = [text[12:16]] if len(text.strip()) > 20 and text[12:16].strip() else []
-        params.append(SamplingParams(n=2, temperature=0, max_tokens=32, ignore_eos=True,
-                                     stop=stop))
-    assert sum(bool(p.stop) for p in params) >= 3
+    params = stop_string_params(free)
     plain = make_llm(enable_chunked_prefill=False, enable_prefix_caching=False).generate(
         prompts, params)
 
     # 40 blocks of 16 = 640 tokens: room for any one sequence, not for 12 at once.
     llm = make_llm(speculative_config=SPEC, max_num_batched_tokens=64, max_num_seqs=16,
                    num_gpu_blocks_override=41, max_model_len=640)
-    schedules = []
-    original = llm.engine.scheduler.schedule
-    llm.engine.scheduler.schedule = lambda: schedules.append(original()) or schedules[-1]
+    schedules = record_schedules(llm)
     spec = llm.generate(prompts, params)
 
-    stats = llm.engine.get_stats()
-    assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hits > 0  # the n = 2 copies share the prompt
-    assert stats.spec_decoding.num_accepted_tokens > 0
-    assert any(out.scheduled_spec_decode_tokens and any(
-        n > 1 and r not in out.scheduled_spec_decode_tokens
-        for r, n in out.num_scheduled_tokens.items()) for out in schedules), \
-        "no step verified drafts next to a prompt chunk"
+    assert_spec_run_exercised_everything(llm, schedules)
     num_stopped = 0
     for a, b in zip(plain, spec):
         for ca, cb in zip(a.outputs, b.outputs):

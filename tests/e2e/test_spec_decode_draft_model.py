@@ -11,6 +11,11 @@ from __future__ import annotations
 import random
 
 from pagedserve.sampling_params import SamplingParams
+from tests.e2e.spec_helpers import (
+    assert_spec_run_exercised_everything,
+    record_schedules,
+    stop_string_params,
+)
 from tests.e2e.test_spec_decode import GREEDY, doc_qa_prompts, spec_stats
 
 # 26 layers: on these prompts ~30% of guesses are accepted (8 layers: none; 30: all).
@@ -43,13 +48,7 @@ def test_self_draft_with_chunking_caching_preemption_n2_stop_strings_and_mixed_b
     chunks beside verification steps, prefix-cache hits between the n = 2 copies."""
     prompts = doc_qa_prompts(tokenizer, 6)
     free = make_llm().generate(prompts, GREEDY)
-    params = []
-    for out in free:
-        text = out.outputs[0].text
-        stop = [text[12:16]] if len(text.strip()) > 20 and text[12:16].strip() else []
-        params.append(SamplingParams(n=2, temperature=0, max_tokens=32, ignore_eos=True,
-                                     stop=stop))
-    assert sum(bool(p.stop) for p in params) >= 3
+    params = stop_string_params(free)
     params += [SamplingParams(temperature=0, max_tokens=1)] * 2
     params += [SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)] * 2
     prompts = prompts + prompts[:2] + prompts[2:4]
@@ -59,19 +58,10 @@ def test_self_draft_with_chunking_caching_preemption_n2_stop_strings_and_mixed_b
     # 40 blocks of 16 = 640 tokens: room for any one sequence, not for all at once.
     llm = make_llm(speculative_config=SELF_DRAFT, max_num_batched_tokens=64, max_num_seqs=16,
                    num_gpu_blocks_override=41, max_model_len=640)
-    schedules = []
-    original = llm.engine.scheduler.schedule
-    llm.engine.scheduler.schedule = lambda: schedules.append(original()) or schedules[-1]
+    schedules = record_schedules(llm)
     spec = llm.generate(prompts, params)
 
-    stats = llm.engine.get_stats()
-    assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hits > 0
-    assert stats.spec_decoding.num_accepted_tokens > 0
-    assert any(out.scheduled_spec_decode_tokens and any(
-        n > 1 and r not in out.scheduled_spec_decode_tokens
-        for r, n in out.num_scheduled_tokens.items()) for out in schedules), \
-        "no step verified drafts next to a prompt chunk"
+    assert_spec_run_exercised_everything(llm, schedules)
     num_stopped = 0
     for a, b, p in zip(plain, spec, params):
         if p.temperature > 0:
