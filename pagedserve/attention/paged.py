@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.kernels import cpu_ops
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
@@ -38,16 +39,30 @@ def write_kv(
     value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
+KERNEL_MAX_TOKENS = 32
+"""Steps of at most this many query tokens (decodes and short chunks, e.g. speculative
+verification) go wholly to the compiled kernel on the CPU; it reads each key once per token, so
+long prefill chunks stay on the blocked matmuls. Decodes always go to the kernel."""
+
+
 def paged_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q: (T, H, D) -> (T, H, D), reading every request's context from the cache."""
     num_decodes = meta.num_decodes
+    ops = cpu_ops.for_tensor(q)
+    if ops is not None and (q.stride(2) != 1 or q.stride(1) != q.shape[2]):
+        ops = None  # the kernel wants each token's heads dense
+    if ops is not None and (num_decodes == meta.num_reqs or q.shape[0] <= KERNEL_MAX_TOKENS):
+        return kernel_attention(ops, q, key_cache, value_cache, meta)
     if num_decodes == meta.num_reqs:  # a pure decode step: no copy into a shared output
         return _decode_attention(q, key_cache, value_cache, meta)
     out = torch.empty_like(q)
     if num_decodes:
-        out[:num_decodes] = _decode_attention(q[:num_decodes], key_cache, value_cache, meta)
+        out[:num_decodes] = (
+            _decode_attention(q[:num_decodes], key_cache, value_cache, meta) if ops is None
+            else kernel_attention(ops, q[:num_decodes], key_cache, value_cache, meta)
+        )
     for i in range(num_decodes, meta.num_reqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         k, v = _gather(key_cache, value_cache, meta.block_table[i], meta.seq_lens[i])
@@ -171,6 +186,34 @@ def _decode_attention(
     o = torch.bmm(scores.softmax(dim=-1), v)  # (Hkv * B, G, D)
     return o.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1).reshape(
         num_decodes, num_heads, head_dim
+    )
+
+
+def token_rows_and_lens(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query token of the step: its request's row of the block table, and how many cached
+    positions it sees (its position + 1: causal within its own chunk). Built once per step."""
+    cached = meta.backend_state.get("token_rows_and_lens")
+    if cached is None:
+        rows, lens = [], []
+        for i, (context_len, seq_len) in enumerate(zip(meta.context_lens, meta.seq_lens)):
+            rows += [i] * (seq_len - context_len)
+            lens += range(context_len + 1, seq_len + 1)
+        cached = torch.tensor(rows), torch.tensor(lens)
+        meta.backend_state["token_rows_and_lens"] = cached
+    return cached
+
+
+def kernel_attention(
+    ops, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """The compiled CPU kernel (csrc/cpu_ops.cpp paged_attention) for the step's first
+    q.shape[0] tokens: reads the cache in place, no gathered copy; fp32 throughout."""
+    rows, lens = token_rows_and_lens(meta)
+    num_tokens = q.shape[0]
+    return ops.paged_attention(
+        q, key_cache, value_cache, meta.block_table, rows[:num_tokens], lens[:num_tokens],
+        q.shape[-1] ** -0.5,
     )
 
 

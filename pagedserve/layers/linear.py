@@ -26,8 +26,8 @@ from torch import nn
 
 from pagedserve.layers.quantized import (
     GGUFQuantWeight,
-    Int4PackedWeight,
     concat_rows,
+    packed_weight,
     quantize_weight,
 )
 
@@ -66,7 +66,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        self.packed: Int4PackedWeight | None = None
+        self.packed: nn.Module | None = None
         """Set when the layer also runs on GGUF codes (for inputs of at most PACKED_MAX_ROWS)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,12 +93,12 @@ class Linear(nn.Module):
         if quantize is not None:
             codes = quantize_weight(self.weight.data, quantize)
             if codes is not None:
-                self.packed = Int4PackedWeight(codes, dtype)
+                self.packed = packed_weight(codes, dtype)
                 self.weight = None
         elif pending and pending.keys() == slices.keys():
             merged = concat_rows([pending[shard_id] for shard_id in slices])
             if merged is not None:  # None: mixed types, dense only
-                self.packed = Int4PackedWeight(merged, dtype)
+                self.packed = packed_weight(merged, dtype)
 
 
 class MergedLinear(Linear):
@@ -148,7 +148,7 @@ class VocabEmbedding(nn.Module):
             torch.empty(num_embeddings, embedding_dim), requires_grad=False
         )
         self.serves_as_head = serves_as_head
-        self.packed_head: Int4PackedWeight | None = None
+        self.packed_head: nn.Module | None = None
         self.dense_head_above_max_rows = True
         """False when the head was quantized on request (--quantization int4/int8)."""
 
@@ -175,7 +175,7 @@ class VocabEmbedding(nn.Module):
         if quantize is not None:
             codes = quantize_weight(self.weight.data, quantize)
             if codes is not None:
-                self.packed_head = Int4PackedWeight(codes, dtype)
+                self.packed_head = packed_weight(codes, dtype)
                 self.dense_head_above_max_rows = False
         elif pending:
-            self.packed_head = Int4PackedWeight(pending[None], dtype)
+            self.packed_head = packed_weight(pending[None], dtype)

@@ -160,6 +160,76 @@ class Int4PackedWeight(torch.nn.Module):
         return y.view(*leading, self.out_features)
 
 
+ACTIVATION_BITS = 16
+"""int16 activations by default; 8 trades accuracy for speed (see GroupQuantizedWeight)."""
+
+
+def vnni_layout(weight: GGUFQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Codes, scales, mins and bits in the compiled kernel's layout (csrc/cpu_ops.cpp,
+    quant_linear): 16 output columns per block, each 32-bit lane one column's 4 consecutive
+    codes. N is padded to a multiple of 16 with zero columns. Q8_0 codes are stored + 128 as
+    unsigned bytes with min = -128 * scale (exact: the shift cancels in the kernel)."""
+    n, k = weight.shape
+    groups, blocks = k // GROUP_SIZE, -(-n // 16)
+    bits = 4 if weight.is_int4 else 8
+    assert bits == 4 or weight.qtype == GQT.Q8_0, weight.qtype
+    codes, scales, mins = weight.codes, weight.scales.float(), weight.mins.float()
+    if bits == 8:
+        codes = (codes.to(torch.int16) + 128).to(torch.uint8)
+        mins = -128.0 * scales
+    pad = blocks * 16 - n
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+    scales = torch.nn.functional.pad(scales, (0, 0, 0, pad))
+    mins = torch.nn.functional.pad(mins, (0, 0, 0, pad))
+    grouped = codes.view(blocks, 16, groups, GROUP_SIZE)  # [block, column, group, element]
+    if bits == 4:  # chunk i: element 4i + e in the low nibble, 16 + 4i + e in the high one
+        low = grouped[..., :16].reshape(blocks, 16, groups, 4, 4)
+        high = grouped[..., 16:].reshape(blocks, 16, groups, 4, 4)
+        chunks = low | (high << 4)
+    else:  # chunk j: element 4j + e
+        chunks = grouped.reshape(blocks, 16, groups, 8, 4)
+    packed = chunks.permute(0, 2, 3, 1, 4).contiguous()  # [block, group, chunk, column, byte]
+
+    def per_block(values: torch.Tensor) -> torch.Tensor:
+        return values.view(blocks, 16, groups).transpose(1, 2).contiguous()
+
+    return packed.flatten(), per_block(scales), per_block(mins), bits
+
+
+class GroupQuantizedWeight(torch.nn.Module):
+    """y = x @ W^T by the compiled CPU kernel (csrc/cpu_ops.cpp `quant_linear`): the weights stay
+    GGUF groups (`scale * code + min`), the activations are quantized per 32-element group to
+    int8 on the fly, and VNNI multiplies the two (as llama.cpp does). 4-bit codes take half a
+    byte, Q8_0 codes one byte (no split)."""
+
+    def __init__(self, weight: GGUFQuantWeight, ops) -> None:
+        super().__init__()
+        self._ops = ops
+        self.out_features = weight.shape[0]
+        # Plain attributes, not buffers: model.to(bf16) must not round the fp32 scales. (This
+        # form only lives on the CPU, so no device move is missed.)
+        self.codes, self.scales, self.mins, self.bits = vnni_layout(weight)
+        self.activation_bits = ACTIVATION_BITS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) in fp32 or bf16 -> (..., N) in x's dtype."""
+        leading = x.shape[:-1]
+        y = self._ops.quant_linear(x.reshape(-1, x.shape[-1]), self.codes, self.scales,
+                                   self.mins, self.out_features, self.bits,
+                                   self.activation_bits, None)
+        return y.view(*leading, self.out_features)
+
+
+def packed_weight(weight: GGUFQuantWeight, dtype: torch.dtype) -> torch.nn.Module:
+    """The fastest packed form available: the compiled kernel's, else torch's int4 kernel."""
+    from pagedserve.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is not None and dtype in (torch.float32, torch.bfloat16):
+        return GroupQuantizedWeight(weight, ops)
+    return Int4PackedWeight(weight, dtype)
+
+
 def concat_rows(weights: list[GGUFQuantWeight]) -> GGUFQuantWeight | None:
     """Stack shards along N (merged QKV / gate-up); None unless all are 4-bit or all Q8_0.
 

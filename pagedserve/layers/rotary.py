@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.kernels import cpu_ops
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, dtype: torch.dtype) -> None:
@@ -26,6 +28,16 @@ class RotaryEmbedding(nn.Module):
         """x: (T, heads, D) (q and k side by side, as one view), positions: (T,)."""
         cos, signed_sin = self._lookup(positions)
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+    def rotate_in_place(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> bool:
+        """Rotate the first `heads` heads of each row of qkv (T, width) in place by the compiled
+        kernel; False (nothing done) where it does not serve, and forward() is the way."""
+        ops = cpu_ops.for_tensor(qkv, cpu_ops.ELEMENTWISE_MAX_ROWS)
+        if ops is None or qkv.dim() != 2 or qkv.stride(1) != 1:
+            return False
+        head_dim = self.cos_cache.shape[-1]
+        ops.rotary_inplace(qkv, heads, head_dim, positions, self.cos_cache, self.signed_sin_cache)
+        return True
 
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, 1, D) of a step's positions: looked up by the first layer, reused by the

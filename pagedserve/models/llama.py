@@ -12,11 +12,13 @@ import torch
 from torch import nn
 
 from pagedserve.attention.layer import Attention
+from pagedserve.attention.metadata import get_forward_context
 from pagedserve.config import ModelConfig
 from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import Linear, MergedLinear, VocabEmbedding, default_weight_loader
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.kernels.decoder_stack import FUSED_MAX_TOKENS, build_decoder_stack, run_decoder_stack
 
 
 class LlamaAttention(nn.Module):
@@ -39,8 +41,12 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         # q and k are adjacent columns: rotate them as one (T, H + Hkv, D) view, half the ops.
-        qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
-        q, k = self.rotary_emb(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        qk_heads = self.num_heads + self.num_kv_heads
+        if self.rotary_emb.rotate_in_place(positions, qkv, qk_heads):
+            qk = qkv[:, : self.qk_size].view(num_tokens, qk_heads, -1)
+        else:
+            qk = self.rotary_emb(positions, qkv[:, : self.qk_size].view(num_tokens, qk_heads, -1))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v)  # q: (T, H, D), k, v: (T, Hkv, D)
         return self.o_proj(out.reshape(num_tokens, -1))
@@ -90,12 +96,24 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, rotary_emb, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._stack: object | None | bool = False
+        """The compiled DecoderStack for small steps: False until first asked, None if it does
+        not apply (kernels/decoder_stack.py)."""
+
+    def _decoder_stack(self) -> object | None:
+        if self._stack is False:  # built on first use: the weights are final by then
+            self._stack = build_decoder_stack(self)
+        return self._stack
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
     ) -> torch.Tensor:
         """num_layers: run only the first layers, then the final norm (a self-draft's pass)."""
         hidden_states, residual = self.embed_tokens(input_ids), None
+        if input_ids.shape[0] <= FUSED_MAX_TOKENS and (stack := self._decoder_stack()) is not None:
+            meta = get_forward_context()
+            return run_decoder_stack(stack, hidden_states, positions, meta,
+                                     len(self.layers[:num_layers]))
         for layer in self.layers[:num_layers]:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.attention import AttentionMetadata, forward_context
 from pagedserve.attention.paged import kv_cache_shape
+from pagedserve.kernels import cpu_ops
 from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedserve.models import get_model_class
@@ -93,6 +94,7 @@ class ModelRunner:
         self.dtype = _DTYPES[device_config.dtype]
         if self.device.type == "cpu":
             torch.set_num_threads(device_config.num_threads or usable_cpu_count())
+            cpu_ops.load()  # build (once per machine) now, not inside the first request
         # Unseeded requests draw from the global generator: seed it so a run is repeatable.
         torch.manual_seed(device_config.seed)
 

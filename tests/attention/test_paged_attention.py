@@ -1,7 +1,8 @@
 """The fast paged attention against the token-by-token reference, on a mixed batch.
 
 Random caches, scattered (non-contiguous) block tables, decodes and prefill chunks with and
-without earlier context, GQA.
+without earlier context, GQA. Every test runs twice: with the compiled CPU kernel (which takes
+decodes and steps of up to KERNEL_MAX_TOKENS tokens) and with the plain-torch path alone.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import random
 import pytest
 import torch
 
+from pagedserve.attention import paged as paged_module
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.paged import (
     PREFILL_QUERY_BLOCK,
@@ -21,6 +23,15 @@ from pagedserve.attention.paged import (
 from pagedserve.attention.reference import reference_paged_attention
 
 BLOCK_SIZE = 4
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def attention_path(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(paged_module.cpu_ops, "for_tensor", lambda *args, **kwargs: None)
+    elif paged_module.cpu_ops.load() is None:
+        pytest.skip("the compiled CPU kernels are unavailable here")
+    return request.param
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 
 

@@ -1,0 +1,703 @@
+// CPU kernels for the small-batch step (decode of a few requests), where the model is bound by
+// memory and by per-op overhead rather than by FLOPs. Built on first use by
+// pagedserve/kernels/cpu_ops.py (torch.utils.cpp_extension); every op has a plain-torch reference
+// in the Python layers, and tests/kernels/test_cpu_ops.py compares the two.
+//
+// All arithmetic is fp32: bf16 inputs widen exactly, results round once when stored. Weights stay
+// in the GGUF group form (per 32 elements along K: value = scale * code + min) and are widened to
+// fp32 in registers, so a quantized matmul equals the dequantized-fp32 reference up to summation
+// order.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PAGEDSERVE_AVX512 1
+#if defined(__AVX512VNNI__)
+#define PAGEDSERVE_VNNI 1
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+// The compute dtypes the kernels serve: fp32 and bf16 (the callers keep their torch path for
+// any other).
+#define DISPATCH_FLOAT_OR_BF16(TYPE, NAME, ...)                                          \
+  [&] {                                                                                \
+    if ((TYPE) == at::kFloat) {                                                        \
+      using scalar_t = float;                                                          \
+      return __VA_ARGS__();                                                            \
+    }                                                                                  \
+    TORCH_CHECK((TYPE) == at::kBFloat16, NAME ": only float32 and bfloat16 are served"); \
+    using scalar_t = c10::BFloat16;                                                    \
+    return __VA_ARGS__();                                                              \
+  }()
+
+// ---------------------------------------------------------------------------------------------
+// Loads and stores of fp32 / bf16 rows as fp32.
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T from_float(float v) { return static_cast<T>(v); }
+
+// Copy `n` values of a row to fp32.
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+#ifdef PAGEDSERVE_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Quantized linear, weights kept in the GGUF group form (per 32 elements along K:
+// w = scale * code + min) and multiplied by integer dot products (AVX-512 VNNI):
+// the activations are quantized on the fly per 32-element group, xq = round(x / dx), to int16
+// (dx = absmax / 32767: the default, within ~1e-5 of the activations) or to int8 (dx = absmax /
+// 127, as llama.cpp does: faster, measurably less accurate; opt-in). Each group's
+// sum of code * xq is exact in int32 (vpdpwssd: pairs of int16; vpdpbusd: quads of u8 x s8):
+//   y[m, n] = sum_g ( scale[n, g] * dx[m, g] * sum_k code * xq  +  min[n, g] * xsum[m, g] )
+// xsum is the group's sum of x itself for 4-bit weights; for 8-bit (Q8_0: code + 128 stored as
+// an unsigned byte, min = -128 * scale) it is dx * sum(xq), so the +128 shift cancels exactly.
+//
+// Weight layout, 16 output columns ("a column block") at a time so that each 32-bit lane of a
+// register belongs to one column and a broadcast of activations feeds all 16:
+//   codes[block][group][chunk][column 0..15][4 bytes]     (64 bytes per chunk)
+//   4-bit: 4 chunks per group; chunk i's byte e holds element 4i + e in its low nibble and
+//          element 16 + 4i + e in its high one. 8-bit: 8 chunks, chunk j byte e = element 4j + e.
+//   scales, mins: fp32 [block][group][column].
+// pagedserve/layers/quantized.py (`vnni_layout`) builds it; N is padded to a multiple of 16.
+
+template <typename Q>
+struct QuantizedRows {
+  std::vector<Q> q;          // [rows, K]
+  std::vector<float> scale;  // [rows, G]: dx
+  std::vector<float> sum;    // [rows, G]: xsum (see above)
+};
+
+template <typename Q>
+inline void quantize_row(const float* x, int64_t k, bool sum_of_quantized, Q* q, float* scale,
+                         float* sum) {
+  constexpr int32_t kMax = std::is_same_v<Q, int8_t> ? 127 : 32767;
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const float* xg = x + g * kGroup;
+    float amax = 0.f, total = 0.f;
+    for (int j = 0; j < kGroup; ++j) {
+      amax = std::max(amax, std::fabs(xg[j]));
+      total += xg[j];
+    }
+    const float d = amax / kMax, inv = amax > 0.f ? kMax / amax : 0.f;
+    int32_t qsum = 0;
+    for (int j = 0; j < kGroup; ++j) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xg[j] * inv));
+      q[g * kGroup + j] = static_cast<Q>(std::clamp(v, -kMax, kMax));
+      qsum += q[g * kGroup + j];
+    }
+    scale[g] = d;
+    sum[g] = sum_of_quantized ? d * static_cast<float>(qsum) : total;
+  }
+}
+
+template <typename Q, typename T>
+QuantizedRows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool sum_of_quantized) {
+  const int64_t groups = k / kGroup;
+  QuantizedRows<Q> out{std::vector<Q>(rows * k), std::vector<float>(rows * groups),
+                       std::vector<float>(rows * groups)};
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(k);
+    for (int64_t r = begin; r < end; ++r) {
+      widen_row(x + r * k, row.data(), k);
+      quantize_row(row.data(), k, sum_of_quantized, out.q.data() + r * k,
+                   out.scale.data() + r * groups, out.sum.data() + r * groups);
+    }
+  });
+  return out;
+}
+
+// The code of element `e` (0..31) of column `col` in one group of a column block.
+template <int kBits>
+inline int32_t code_at(const uint8_t* group_codes, int col, int e) {
+  if constexpr (kBits == 4) {
+    const int half = e / 16, i = (e % 16) / 4;
+    const uint8_t byte = group_codes[i * 64 + col * 4 + e % 4];
+    return half ? (byte >> 4) : (byte & 0x0F);
+  } else {
+    return group_codes[(e / 4) * 64 + col * 4 + e % 4];
+  }
+}
+
+#ifdef PAGEDSERVE_VNNI
+// One group of a column block as registers for the dot products. int8 activations: 8 registers,
+// register j = elements 4j..4j+3 (u8). int16: 16 registers, register p = elements 2p, 2p+1
+// (zero-extended int16 words).
+template <int kBits, typename Q>
+inline void unpack_group(const uint8_t* cg, __m512i* w) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512i quads[8];  // quads[j]: elements 4j..4j+3 as bytes
+  if constexpr (kBits == 4) {
+    for (int i = 0; i < 4; ++i) {
+      const __m512i raw = _mm512_loadu_si512(cg + i * 64);
+      quads[i] = _mm512_and_si512(raw, nibble);
+      quads[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j) quads[j] = _mm512_loadu_si512(cg + j * 64);
+  }
+  if constexpr (std::is_same_v<Q, int8_t>) {
+    for (int j = 0; j < 8; ++j) w[j] = quads[j];
+  } else {
+    // bytes 0,1 (then 2,3) of each 32-bit lane -> two zero-extended words
+    const __m512i first = _mm512_set4_epi32(0x800D800C, 0x80098008, 0x80058004, 0x80018000);
+    const __m512i second = _mm512_set4_epi32(0x800F800E, 0x800B800A, 0x80078006, 0x80038002);
+    for (int j = 0; j < 8; ++j) {
+      w[2 * j] = _mm512_shuffle_epi8(quads[j], first);
+      w[2 * j + 1] = _mm512_shuffle_epi8(quads[j], second);
+    }
+  }
+}
+
+template <typename Q>
+inline __m512i group_dot(const __m512i* w, const Q* xg) {
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(xg);  // 4 int8 or 2 int16 per lane
+  __m512i dot = _mm512_setzero_si512();
+  if constexpr (std::is_same_v<Q, int8_t>) {
+    for (int j = 0; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(x32[j]));
+  } else {
+    for (int p = 0; p < 16; ++p) dot = _mm512_dpwssd_epi32(dot, w[p], _mm512_set1_epi32(x32[p]));
+  }
+  return dot;
+}
+#endif
+
+// One column block times kRows activation rows: out[r][0..15] (fp32).
+template <int kBits, typename Q, int kRows>
+inline void vnni_block(const uint8_t* codes, const float* scales, const float* mins,
+                       int64_t groups, const Q* xq, const float* dx, const float* xsum,
+                       int64_t k, float* out /* [kRows][16] */) {
+  constexpr int kChunks = kBits == 4 ? 4 : 8;
+#ifdef PAGEDSERVE_VNNI
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i w[16];
+    unpack_group<kBits, Q>(codes + g * kChunks * 64, w);
+    const __m512 scale = _mm512_loadu_ps(scales + g * 16);
+    const __m512 minimum = _mm512_loadu_ps(mins + g * 16);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i dot = group_dot<Q>(w, xq + r * k + g * kGroup);
+      const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(out + r * 16, acc[r]);
+#else
+  for (int r = 0; r < kRows; ++r)
+    for (int col = 0; col < 16; ++col) out[r * 16 + col] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* cg = codes + g * kChunks * 64;
+    for (int r = 0; r < kRows; ++r) {
+      const Q* xr = xq + r * k + g * kGroup;
+      for (int col = 0; col < 16; ++col) {
+        int32_t dot = 0;
+        for (int e = 0; e < kGroup; ++e) dot += code_at<kBits>(cg, col, e) * xr[e];
+        out[r * 16 + col] += static_cast<float>(dot) * (scales[g * 16 + col] * dx[r * groups + g]);
+        out[r * 16 + col] += mins[g * 16 + col] * xsum[r * groups + g];
+      }
+    }
+  }
+#endif
+}
+
+template <int kBits, typename Q>
+void vnni_rows(int rows, const uint8_t* codes, const float* scales, const float* mins,
+               int64_t groups, const Q* xq, const float* dx, const float* xsum, int64_t k,
+               float* out) {
+#define PAGEDSERVE_ROWS_CASE(R) \
+  case R: return vnni_block<kBits, Q, R>(codes, scales, mins, groups, xq, dx, xsum, k, out);
+  switch (rows) {
+    PAGEDSERVE_ROWS_CASE(8)
+    PAGEDSERVE_ROWS_CASE(7)
+    PAGEDSERVE_ROWS_CASE(6)
+    PAGEDSERVE_ROWS_CASE(5)
+    PAGEDSERVE_ROWS_CASE(4)
+    PAGEDSERVE_ROWS_CASE(3)
+    PAGEDSERVE_ROWS_CASE(2)
+    default: return vnni_block<kBits, Q, 1>(codes, scales, mins, groups, xq, dx, xsum, k, out);
+  }
+#undef PAGEDSERVE_ROWS_CASE
+}
+
+// Store up to 16 fp32 values in the output dtype (bf16: round to nearest even).
+inline void store_row(const float* src, float* dst, int64_t count) {
+  std::copy(src, src + count, dst);
+}
+inline void store_row(const float* src, c10::BFloat16* dst, int64_t count) {
+#ifdef PAGEDSERVE_AVX512
+  if (count == 16) {
+    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
+}
+
+constexpr int64_t kRowTile = 8;
+constexpr int64_t kRowChunk = 128;  // rows whose quantized activations stay in L2 across blocks
+
+template <int kBits, typename Q, typename T>
+void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, const uint8_t* codes,
+                       const float* scales, const float* mins, const T* bias, int64_t n, T* y) {
+  const int64_t groups = k / kGroup;
+  const int64_t blocks = (n + 15) / 16;
+  const int64_t block_code_bytes = groups * (kBits == 4 ? 4 : 8) * 64;
+  for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
+    const int64_t chunk_end = std::min(rows, chunk + kRowChunk);
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float tile[kRowTile * 16];
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t col0 = b * 16, cols = std::min<int64_t>(16, n - col0);
+        for (int64_t r = chunk; r < chunk_end; r += kRowTile) {
+          const int tile_rows = static_cast<int>(std::min(kRowTile, chunk_end - r));
+          vnni_rows<kBits, Q>(tile_rows, codes + b * block_code_bytes, scales + b * groups * 16,
+                              mins + b * groups * 16, groups, xr.q.data() + r * k,
+                              xr.scale.data() + r * groups, xr.sum.data() + r * groups, k, tile);
+          for (int i = 0; i < tile_rows; ++i) {
+            if (bias) {
+              for (int64_t col = 0; col < cols; ++col) tile[i * 16 + col] += to_float(bias[col0 + col]);
+            }
+            store_row(tile + i * 16, y + (r + i) * n + col0, cols);
+          }
+        }
+      }
+    });
+  }
+}
+
+template <typename Q, typename T>
+void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
+                           const uint8_t* codes, const float* scales, const float* mins,
+                           const T* bias, int64_t n, T* y) {
+  const QuantizedRows<Q> xr = quantize_rows<Q>(x, rows, k, bits == 8);
+  if (bits == 4) {
+    quant_linear_impl<4, Q, T>(xr, rows, k, codes, scales, mins, bias, n, y);
+  } else {
+    quant_linear_impl<8, Q, T>(xr, rows, k, codes, scales, mins, bias, n, y);
+  }
+}
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           torch::Tensor mins, int64_t n, int64_t bits, int64_t activation_bits,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "x must be (rows, K)");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
+              "weights must be contiguous");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && mins.scalar_type() == torch::kFloat32,
+              "scales and mins must be fp32");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
+  const int64_t blocks = (n + 15) / 16, groups = k / kGroup;
+  TORCH_CHECK(codes.numel() == blocks * groups * (bits == 4 ? 4 : 8) * 64, "codes do not match");
+  TORCH_CHECK(scales.numel() == blocks * groups * 16 && mins.numel() == blocks * groups * 16,
+              "scales / mins do not match");
+  torch::Tensor xc = x.contiguous();
+  torch::Tensor y = torch::empty({rows, n}, x.options());
+  torch::Tensor b;
+  if (bias) {
+    b = bias->to(x.scalar_type()).contiguous();
+    TORCH_CHECK(b.numel() == n, "bias size");
+  }
+  const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  DISPATCH_FLOAT_OR_BF16(x.scalar_type(), "quant_linear", [&] {
+    const scalar_t* bp = bias ? b.data_ptr<scalar_t>() : nullptr;
+    if (activation_bits == 8) {
+      quant_linear_dispatch<int8_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c,
+                                    scales.data_ptr<float>(), mins.data_ptr<float>(), bp, n,
+                                    y.data_ptr<scalar_t>());
+    } else {
+      quant_linear_dispatch<int16_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c,
+                                     scales.data_ptr<float>(), mins.data_ptr<float>(), bp, n,
+                                     y.data_ptr<scalar_t>());
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm, optionally after the residual add: s = x + residual (stored in the compute dtype, as
+// the residual stream is); out = weight * round(s * rsqrt(mean(s^2) + eps)), statistics in fp32.
+
+template <typename T>
+void add_rms_norm_impl(const T* x, T* residual_out, const T* residual_in, const T* weight,
+                       double eps, int64_t rows, int64_t h, T* out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(h);
+    for (int64_t r = begin; r < end; ++r) {
+      float sum_sq = 0.f;
+      for (int64_t i = 0; i < h; ++i) {
+        float v = to_float(x[r * h + i]);
+        if (residual_in) {
+          // rounded to the stored dtype first: the next layer reads the residual from memory
+          v = to_float(from_float<T>(v + to_float(residual_in[r * h + i])));
+        }
+        s[i] = v;
+        sum_sq += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(h) + static_cast<float>(eps));
+      for (int64_t i = 0; i < h; ++i) {
+        if (residual_out) residual_out[r * h + i] = from_float<T>(s[i]);
+        const float normed = to_float(from_float<T>(s[i] * inv));
+        out[r * h + i] = from_float<T>(to_float(weight[i]) * normed);
+      }
+    }
+  });
+}
+
+// Returns (norm(x + residual), x + residual); without residual, (norm(x), x).
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                        torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous (rows, hidden)");
+  const int64_t rows = x.size(0), h = x.size(1);
+  torch::Tensor w = weight.to(x.scalar_type()).contiguous();
+  torch::Tensor out = torch::empty_like(x);
+  torch::Tensor res_out;
+  if (residual) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual shape");
+    res_out = torch::empty_like(x);
+  }
+  DISPATCH_FLOAT_OR_BF16(x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_impl<scalar_t>(
+        x.data_ptr<scalar_t>(), residual ? res_out.data_ptr<scalar_t>() : nullptr,
+        residual ? residual->data_ptr<scalar_t>() : nullptr, w.data_ptr<scalar_t>(), eps, rows,
+        h, out.data_ptr<scalar_t>());
+  });
+  return {out, residual ? res_out : x};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary embedding in place on the first `heads` heads of each row of qkv (q and k side by side):
+// x' = x * cos + roll(x, D/2) * signed_sin (the rotate-half layout, sign folded into the table).
+
+template <typename T>
+void rotary_impl(T* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t d,
+                 const int64_t* positions, const T* cos_cache, const T* sin_cache) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* cos = cos_cache + positions[r] * d;
+      const T* sin = sin_cache + positions[r] * d;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* x = qkv + r * row_stride + hd * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_float(x[i]), b = to_float(x[i + half]);
+          x[i] = from_float<T>(a * to_float(cos[i]) + b * to_float(sin[i]));
+          x[i + half] = from_float<T>(b * to_float(cos[i + half]) + a * to_float(sin[i + half]));
+        }
+      }
+    }
+  });
+}
+
+void rotary_inplace(torch::Tensor qkv, int64_t heads, int64_t head_dim, torch::Tensor positions,
+                    torch::Tensor cos_cache, torch::Tensor sin_cache) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be (rows, width), rows dense");
+  TORCH_CHECK(heads * head_dim <= qkv.size(1), "heads exceed the row");
+  TORCH_CHECK(cos_cache.scalar_type() == qkv.scalar_type(), "cache dtype");
+  torch::Tensor pos = positions.to(torch::kInt64).contiguous();
+  DISPATCH_FLOAT_OR_BF16(qkv.scalar_type(), "rotary_inplace", [&] {
+    rotary_impl<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.size(0), qkv.stride(0), heads, head_dim,
+                          pos.data_ptr<int64_t>(), cos_cache.contiguous().data_ptr<scalar_t>(),
+                          sin_cache.contiguous().data_ptr<scalar_t>());
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// silu(gate) * up over a merged (rows, 2F) projection.
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "gate_up must be (rows, 2F)");
+  const int64_t rows = gate_up.size(0), f = gate_up.size(1) / 2;
+  torch::Tensor out = torch::empty({rows, f}, gate_up.options());
+  DISPATCH_FLOAT_OR_BF16(gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < f; ++i) {
+          // rounded where torch's F.silu(gate) * up rounds: after silu, after the product
+          const float g = to_float(in[r * 2 * f + i]);
+          const float silu = to_float(from_float<scalar_t>(g / (1.f + std::exp(-g))));
+          o[r * f + i] = from_float<scalar_t>(silu * to_float(in[r * 2 * f + f + i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged attention for queries that each see a prefix of their request's cached sequence (decode,
+// and the tokens of a short chunk): token t reads positions [0, seq_lens[t]) of block-table row
+// block_rows[t]. Cache: (Hkv, num_blocks, block_size, D), head-major. The cache is read in place,
+// block by block: no gathered copy. Two passes (scores, then values) per (token, KV head), with
+// the G query heads that share the KV head handled together.
+
+template <typename T>
+void paged_attention_impl(const T* q, int64_t q_token_stride, const T* key_cache,
+                          const T* value_cache, int64_t num_cache_blocks, int64_t block_size,
+                          const int64_t* block_table, int64_t table_stride,
+                          const int64_t* block_rows, const int64_t* seq_lens, int64_t tokens,
+                          int64_t heads, int64_t kv_heads, int64_t d, float scale, T* out) {
+  const int64_t group = heads / kv_heads;
+  const int64_t head_stride = num_cache_blocks * block_size * d;  // one KV head's whole cache
+  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / kv_heads, h = task % kv_heads;
+      const int64_t len = seq_lens[t];
+      const int64_t* blocks = block_table + block_rows[t] * table_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qh = q + t * q_token_stride + (h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(qh[i]) * scale;
+      }
+      scores.assign(group * len, 0.f);
+      const T* kh = key_cache + h * head_stride;
+      const T* vh = value_cache + h * head_stride;
+      for (int64_t p = 0; p < len; ++p) {
+        const T* krow = kh + (blocks[p / block_size] * block_size + p % block_size) * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * d;
+          float dot = 0.f;
+#ifdef PAGEDSERVE_AVX512
+          if (d % 16 == 0) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t i = 0; i < d; i += 16)
+              a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), load16(krow + i), a);
+            dot = _mm512_reduce_add_ps(a);
+          } else
+#endif
+          {
+            for (int64_t i = 0; i < d; ++i) dot += qg[i] * to_float(krow[i]);
+          }
+          scores[g * len + p] = dot;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        const float mx = *std::max_element(s, s + len);
+        float total = 0.f;
+        for (int64_t p = 0; p < len; ++p) total += (s[p] = std::exp(s[p] - mx));
+        const float inv = 1.f / total;
+        for (int64_t p = 0; p < len; ++p) s[p] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < len; ++p) {
+        const T* vrow = vh + (blocks[p / block_size] * block_size + p % block_size) * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = scores[g * len + p];
+          float* a = acc.data() + g * d;
+#ifdef PAGEDSERVE_AVX512
+          if (d % 16 == 0) {
+            const __m512 wv = _mm512_set1_ps(w);
+            for (int64_t i = 0; i < d; i += 16)
+              _mm512_storeu_ps(a + i, _mm512_fmadd_ps(wv, load16(vrow + i), _mm512_loadu_ps(a + i)));
+            continue;
+          }
+#endif
+          for (int64_t i = 0; i < d; ++i) a[i] += w * to_float(vrow[i]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out + (t * heads + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = from_float<T>(acc[g * d + i]);
+      }
+    }
+  });
+}
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                              torch::Tensor block_table, torch::Tensor block_rows,
+                              torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be (T, H, D) with dense heads");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "caches must be contiguous (Hkv, num_blocks, block_size, D)");
+  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.stride(1) == 1,
+              "block_table must be int64 with dense rows");
+  const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = key_cache.size(0);
+  TORCH_CHECK(heads % kv_heads == 0 && key_cache.size(3) == d, "head shapes");
+  torch::Tensor rows = block_rows.to(torch::kInt64).contiguous();
+  torch::Tensor lens = seq_lens.to(torch::kInt64).contiguous();
+  TORCH_CHECK(rows.numel() == tokens && lens.numel() == tokens, "one row and length per token");
+  torch::Tensor out = torch::empty({tokens, heads, d}, q.options());
+  DISPATCH_FLOAT_OR_BF16(q.scalar_type(), "paged_attention", [&] {
+    paged_attention_impl<scalar_t>(
+        q.data_ptr<scalar_t>(), q.stride(0), key_cache.data_ptr<scalar_t>(),
+        value_cache.data_ptr<scalar_t>(), key_cache.size(1), key_cache.size(2),
+        block_table.data_ptr<int64_t>(), block_table.stride(0), rows.data_ptr<int64_t>(),
+        lens.data_ptr<int64_t>(), tokens, heads, kv_heads, d, static_cast<float>(scale),
+        out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Store this step's K and V rows at their cache slots. k, v: (T, Hkv, D) views with dense heads;
+// caches (Hkv, num_blocks * block_size, D) in effect.
+
+void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor k, torch::Tensor v,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches contiguous");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+                  v.stride(1) == v.size(2), "k, v must have dense heads");
+  const int64_t tokens = k.size(0), kv_heads = k.size(1), d = k.size(2);
+  const int64_t slots = key_cache.numel() / (kv_heads * d);
+  torch::Tensor slot = slot_mapping.to(torch::kInt64).contiguous();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const int64_t elem = key_cache.element_size();
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot out of range");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t dst = (h * slots + sp[t]) * d * elem;
+      std::memcpy(kc + dst, kp + (t * k.stride(0) + h * d) * elem, d * elem);
+      std::memcpy(vc + dst, vp + (t * v.stride(0) + h * d) * elem, d * elem);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The decoder layers of a Llama-family model (Llama, Qwen2) for a step of a few tokens, in one
+// call from Python instead of ~80 ops per layer. It runs exactly the ops the Python modules run
+// on the CPU for such a step (the kernels above, in the same order and dtypes), so its output is
+// bitwise equal to theirs: tests/kernels/test_cpu_ops.py checks that.
+
+struct PackedLinear {
+  torch::Tensor codes, scales, mins;
+  c10::optional<torch::Tensor> bias;
+  int64_t out_features, bits, activation_bits;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y = quant_linear(x, codes, scales, mins, out_features, bits, activation_bits,
+                                   c10::nullopt);
+    return bias ? y + *bias : y;  // as Linear.forward: the bias added in the compute dtype
+  }
+};
+
+struct DecoderLayerWeights {
+  torch::Tensor input_norm, post_attention_norm;
+  PackedLinear qkv, o, gate_up, down;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+               torch::Tensor cos_cache, torch::Tensor sin_cache, torch::Tensor final_norm)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
+        cos_cache_(cos_cache), sin_cache_(sin_cache), final_norm_(final_norm) {}
+
+  // linears: (codes, scales, mins, bias or None, out_features, bits, activation_bits) each
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
+                 const std::vector<py::tuple>& linears) {
+    TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
+    std::vector<PackedLinear> parsed;
+    for (const auto& l : linears) {
+      c10::optional<torch::Tensor> bias;
+      if (!l[3].is_none()) bias = l[3].cast<torch::Tensor>();
+      parsed.push_back(PackedLinear{l[0].cast<torch::Tensor>(), l[1].cast<torch::Tensor>(),
+                                    l[2].cast<torch::Tensor>(), bias, l[4].cast<int64_t>(),
+                                    l[5].cast<int64_t>(), l[6].cast<int64_t>()});
+    }
+    layers_.push_back(DecoderLayerWeights{input_norm, post_attention_norm, parsed[0], parsed[1],
+                                          parsed[2], parsed[3]});
+  }
+
+  // hidden: (T, hidden) embeddings; kv_caches: per layer (key, value). Every token t reads
+  // positions [0, seq_lens[t]) of block-table row block_rows[t]. Returns the final-normed
+  // hidden states after the first num_layers layers.
+  torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions,
+                        const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
+                        torch::Tensor slot_mapping, torch::Tensor block_table,
+                        torch::Tensor block_rows, torch::Tensor seq_lens, int64_t num_layers) {
+    const int64_t tokens = hidden.size(0);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+    TORCH_CHECK(num_layers <= static_cast<int64_t>(layers_.size()), "too many layers");
+    c10::optional<torch::Tensor> residual;
+    torch::Tensor x = hidden;
+    for (int64_t i = 0; i < num_layers; ++i) {
+      const DecoderLayerWeights& layer = layers_[i];
+      auto normed = add_rms_norm(x, residual, layer.input_norm, eps_);
+      residual = normed[1];
+      torch::Tensor qkv = layer.qkv(normed[0]);
+      rotary_inplace(qkv, num_heads_ + num_kv_heads_, head_dim_, positions, cos_cache_,
+                     sin_cache_);
+      torch::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
+      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+      torch::Tensor v =
+          qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+      const auto& cache = kv_caches[i];
+      write_kv(cache.first, cache.second, k, v, slot_mapping);
+      torch::Tensor attn = paged_attention(q, cache.first, cache.second, block_table, block_rows,
+                                           seq_lens, scale);
+      x = layer.o(attn.view({tokens, q_size}));
+      normed = add_rms_norm(x, residual, layer.post_attention_norm, eps_);
+      residual = normed[1];
+      x = layer.down(silu_and_mul(layer.gate_up(normed[0])));
+    }
+    return add_rms_norm(x, residual, final_norm_, eps_)[0];
+  }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_;
+  torch::Tensor cos_cache_, sin_cache_, final_norm_;
+  std::vector<DecoderLayerWeights> layers_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear", &quant_linear, "x @ W^T: GGUF-form 4/8-bit weights, int16/int8 activations");
+  m.def("add_rms_norm", &add_rms_norm, "RMSNorm after an optional residual add");
+  m.def("rotary_inplace", &rotary_inplace, "rotary embedding on q and k in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("paged_attention", &paged_attention, "attention reading the paged cache in place");
+  m.def("write_kv", &write_kv, "store K/V rows at their cache slots");
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
+                    torch::Tensor>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("forward", &DecoderStack::forward);
+}

@@ -1,0 +1,72 @@
+"""The decoder layers of a Llama-family model as one compiled call, for steps of a few tokens.
+
+A decode step of one request runs ~80 small ops per layer from Python; on this kind of CPU that
+dispatch cost was half the step. `DecoderStack` (csrc/cpu_ops.cpp) runs the same kernels the
+Python modules call for such a step, in the same order and dtypes, from C++: same output, bitwise
+(tests/kernels/test_decoder_stack.py). It applies when every projection is packed for the
+compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/8-bit files) and the
+step has at most FUSED_MAX_TOKENS tokens; anything else runs the modules.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.paged import token_rows_and_lens
+from pagedserve.kernels import cpu_ops
+from pagedserve.layers.linear import PACKED_MAX_ROWS, Linear
+from pagedserve.layers.quantized import GroupQuantizedWeight
+
+FUSED_MAX_TOKENS = PACKED_MAX_ROWS
+"""The modules multiply up to PACKED_MAX_ROWS rows by the packed codes (dense bf16 above), so
+the stack, which only holds the packed form, serves exactly those steps."""
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGEDSERVE_FUSED_LAYERS", "1") != "0"
+
+
+def _packed_args(linear: Linear) -> tuple | None:
+    packed = linear.packed
+    if not isinstance(packed, GroupQuantizedWeight):
+        return None
+    return (packed.codes, packed.scales, packed.mins, linear.bias, packed.out_features,
+            packed.bits, packed.activation_bits)
+
+
+def build_decoder_stack(model) -> object | None:
+    """A DecoderStack over `model` (a LlamaModel), or None where it does not apply."""
+    ops = cpu_ops.load()
+    first = model.layers[0]
+    if ops is None or not enabled() or first.input_layernorm.weight.device.type != "cpu":
+        return None
+    attn = first.self_attn
+    rotary = attn.rotary_emb
+    stack = ops.DecoderStack(
+        attn.num_heads, attn.num_kv_heads, attn.head_dim, first.input_layernorm.eps,
+        rotary.cos_cache, rotary.signed_sin_cache, model.norm.weight,
+    )
+    for layer in model.layers:
+        linears = [
+            _packed_args(layer.self_attn.qkv_proj), _packed_args(layer.self_attn.o_proj),
+            _packed_args(layer.mlp.gate_up_proj), _packed_args(layer.mlp.down_proj),
+        ]
+        if any(args is None for args in linears):
+            return None
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        linears)
+    return stack
+
+
+def run_decoder_stack(
+    stack, hidden_states: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    num_layers: int,
+) -> torch.Tensor:
+    rows, lens = token_rows_and_lens(meta)
+    return stack.forward(
+        hidden_states, positions, meta.kv_caches, meta.slot_mapping, meta.block_table, rows,
+        lens, num_layers,
+    )

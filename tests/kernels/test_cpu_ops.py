@@ -1,0 +1,121 @@
+"""The compiled CPU kernels (csrc/cpu_ops.cpp) against their plain-torch references.
+
+quant_linear is checked against a torch transcription of its own arithmetic (activations
+quantized per 32-element group, then exact sums) to fp32 rounding, and against the dequantized
+fp32 matmul within the activation quantization's error. The elementwise kernels must equal the
+Python modules they stand in for, bit for bit, since the decoder stack's equality rests on it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import cpu_ops
+from pagedserve.layers import quantized
+from pagedserve.layers.activation import silu_and_mul
+from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.quantized import (
+    GQT,
+    GroupQuantizedWeight,
+    decode_gguf_blocks,
+    quantize_weight,
+)
+from pagedserve.layers.rotary import RotaryEmbedding
+from tests.layers.test_quantized import synthetic_blocks
+
+ops = cpu_ops.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="the compiled CPU kernels are unavailable")
+
+
+def reference_quant_linear(x: torch.Tensor, weight, activation_bits: int) -> torch.Tensor:
+    """The kernel's arithmetic in torch: x quantized per 32-group to int16/int8 levels; the code
+    part uses the quantized x, the min part the group sums of x (of the quantized x for Q8_0,
+    whose stored min is the -128 * scale shift)."""
+    levels = 32767 if activation_bits == 16 else 127
+    m, k = x.shape
+    xg = x.double().view(m, k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    scale = (amax / levels).float().double()
+    inv = torch.where(amax > 0, (levels / amax.float()).double(), torch.zeros_like(amax))
+    xq = (xg.float() * inv.float()).double().round().clamp(-levels, levels) * scale
+    if weight.qtype == GQT.Q8_0:
+        return (xq.view(m, k) @ weight.dequantize().double().t()).float()
+    codes = weight.codes.double().view(-1, k // 32, 32) * weight.scales.double()[..., None]
+    code_part = torch.einsum("mgk,ngk->mn", xq, codes)
+    return (code_part + xg.sum(-1) @ weight.mins.double().t()).float()
+
+
+@pytest.mark.parametrize("activation_bits", [16, 8])
+@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 21])
+def test_quant_linear_follows_its_arithmetic(monkeypatch, qtype, rows, activation_bits):
+    n, k = 40, 256  # 40: the last 16-column block is partly padding
+    weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k, seed=rows), qtype, (n, k))
+    monkeypatch.setattr(quantized, "ACTIVATION_BITS", activation_bits)
+    layer = GroupQuantizedWeight(weight, ops)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = layer(x)
+    expected = reference_quant_linear(x, weight, activation_bits)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    exact = x @ weight.dequantize().t()
+    error = ((y - exact).abs().max() / exact.abs().max()).item()
+    assert error < (1e-4 if activation_bits == 16 else 3e-2), error
+
+
+def test_quant_linear_bf16_rounds_once_and_adds_nothing_for_zero_rows():
+    weight = quantize_weight(torch.randn(64, 96), "int4")
+    layer = GroupQuantizedWeight(weight, ops)
+    x = torch.randn(5, 96).bfloat16()
+    assert torch.equal(layer(x).float(), layer(x.float()).bfloat16().float())
+    assert torch.equal(layer(torch.zeros(2, 96)), torch.zeros(2, 64))
+
+
+def test_add_rms_norm_equals_the_module_path(monkeypatch):
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576).bfloat16()
+    x, residual = torch.randn(7, 576).bfloat16(), torch.randn(7, 576).bfloat16()
+    fused = norm(x, residual), norm(x)
+    monkeypatch.setattr(cpu_ops, "for_tensor", lambda *args, **kwargs: None)
+    plain = norm(x, residual), norm(x)
+    for (a, b), (c, d) in zip(fused, plain):
+        assert torch.equal(a, c) and torch.equal(b, d)
+
+
+def test_silu_and_mul_equals_torch(monkeypatch):
+    gate_up = torch.randn(5, 2 * 1536).bfloat16() * 4
+    fused = silu_and_mul(gate_up)
+    monkeypatch.setattr(cpu_ops, "for_tensor", lambda *args, **kwargs: None)
+    assert torch.equal(fused, silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_matches_forward(dtype):
+    """Same math as RotaryEmbedding.forward; the kernel computes in fp32 and rounds once, the
+    torch ops round after each product in bf16: equal in fp32, within bf16 rounding in bf16."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    rotary = RotaryEmbedding(head_dim, 2048, 10000.0, dtype)
+    positions = torch.tensor([0, 5, 1999, 17])
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(4, heads + kv_heads, head_dim)
+    expected = rotary(positions, qk).float()
+    assert rotary.rotate_in_place(positions, qkv, heads + kv_heads)
+    actual = qkv[:, : (heads + kv_heads) * head_dim].view(4, heads + kv_heads, head_dim).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)
+
+
+def test_write_kv_equals_index_copy():
+    from pagedserve.attention.paged import write_kv
+
+    key, value = torch.randn(3, 10, 4, 16), torch.randn(3, 10, 4, 16)
+    caches = [key, value, key.clone(), value.clone()]
+    k, v = torch.randn(5, 3, 16), torch.randn(5, 3, 16)
+    slots = torch.tensor([7, 0, 39, 12, 13])
+    write_kv(caches[0], caches[1], k, v, slots)
+    ops.write_kv(caches[2], caches[3], k, v, slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.write_kv(caches[2], caches[3], k, v, torch.tensor([0, 1, 2, 3, 40]))
