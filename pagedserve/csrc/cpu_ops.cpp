@@ -85,7 +85,7 @@ inline __m512 load16(const c10::BFloat16* p) {
 //   codes[block][group][chunk][column 0..15][4 bytes]     (64 bytes per chunk)
 //   4-bit: 4 chunks per group; chunk i's byte e holds element 4i + e in its low nibble and
 //          element 16 + 4i + e in its high one. 8-bit: 8 chunks, chunk j byte e = element 4j + e.
-//   scales, mins: fp32 [block][group][column].
+//   scales, mins: [block][group][column], fp32 or (where exact) fp16.
 // pagedserve/layers/quantized.py (`vnni_layout`) builds it; N is padded to a multiple of 16.
 
 template <typename Q>
@@ -179,19 +179,37 @@ inline void unpack_group(const uint8_t* cg, __m512i* w) {
 template <typename Q>
 inline __m512i group_dot(const __m512i* w, const Q* xg) {
   const int32_t* x32 = reinterpret_cast<const int32_t*>(xg);  // 4 int8 or 2 int16 per lane
-  __m512i dot = _mm512_setzero_si512();
+  // Four independent chains: one chain of 8-16 dependent dot instructions would wait on their
+  // latency, not their throughput.
+  __m512i dot[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                    _mm512_setzero_si512()};
   if constexpr (std::is_same_v<Q, int8_t>) {
-    for (int j = 0; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(x32[j]));
+    for (int j = 0; j < 8; ++j)
+      dot[j % 4] = _mm512_dpbusd_epi32(dot[j % 4], w[j], _mm512_set1_epi32(x32[j]));
   } else {
-    for (int p = 0; p < 16; ++p) dot = _mm512_dpwssd_epi32(dot, w[p], _mm512_set1_epi32(x32[p]));
+    for (int p = 0; p < 16; ++p)
+      dot[p % 4] = _mm512_dpwssd_epi32(dot[p % 4], w[p], _mm512_set1_epi32(x32[p]));
   }
-  return dot;
+  return _mm512_add_epi32(_mm512_add_epi32(dot[0], dot[1]), _mm512_add_epi32(dot[2], dot[3]));
 }
 #endif
 
+// Scales and mins are fp32, or fp16 where every value is exact in fp16 (Q4_0, Q4_1 and Q8_0
+// store fp16 themselves): a sixth fewer bytes to stream per weight.
+inline float scale_at(const float* p, int64_t i) { return p[i]; }
+inline float scale_at(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+#ifdef PAGEDSERVE_AVX512
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+constexpr int64_t kPrefetchGroups = 8;
+
 // One column block times kRows activation rows: out[r][0..15] (fp32).
-template <int kBits, typename Q, int kRows>
-inline void vnni_block(const uint8_t* codes, const float* scales, const float* mins,
+template <int kBits, typename Q, int kRows, typename S>
+inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
                        int64_t groups, const Q* xq, const float* dx, const float* xsum,
                        int64_t k, float* out /* [kRows][16] */) {
   constexpr int kChunks = kBits == 4 ? 4 : 8;
@@ -199,10 +217,13 @@ inline void vnni_block(const uint8_t* codes, const float* scales, const float* m
   __m512 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    // The hardware prefetcher restarts at every matrix; ask for the codes a few groups ahead.
+    const char* ahead = reinterpret_cast<const char*>(codes + (g + kPrefetchGroups) * kChunks * 64);
+    for (int line = 0; line < kChunks; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
     __m512i w[16];
     unpack_group<kBits, Q>(codes + g * kChunks * 64, w);
-    const __m512 scale = _mm512_loadu_ps(scales + g * 16);
-    const __m512 minimum = _mm512_loadu_ps(mins + g * 16);
+    const __m512 scale = load_scales(scales + g * 16);
+    const __m512 minimum = load_scales(mins + g * 16);
     for (int r = 0; r < kRows; ++r) {
       const __m512i dot = group_dot<Q>(w, xq + r * k + g * kGroup);
       const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * groups + g]));
@@ -221,20 +242,21 @@ inline void vnni_block(const uint8_t* codes, const float* scales, const float* m
       for (int col = 0; col < 16; ++col) {
         int32_t dot = 0;
         for (int e = 0; e < kGroup; ++e) dot += code_at<kBits>(cg, col, e) * xr[e];
-        out[r * 16 + col] += static_cast<float>(dot) * (scales[g * 16 + col] * dx[r * groups + g]);
-        out[r * 16 + col] += mins[g * 16 + col] * xsum[r * groups + g];
+        out[r * 16 + col] +=
+            static_cast<float>(dot) * (scale_at(scales, g * 16 + col) * dx[r * groups + g]);
+        out[r * 16 + col] += scale_at(mins, g * 16 + col) * xsum[r * groups + g];
       }
     }
   }
 #endif
 }
 
-template <int kBits, typename Q>
-void vnni_rows(int rows, const uint8_t* codes, const float* scales, const float* mins,
+template <int kBits, typename Q, typename S>
+void vnni_rows(int rows, const uint8_t* codes, const S* scales, const S* mins,
                int64_t groups, const Q* xq, const float* dx, const float* xsum, int64_t k,
                float* out) {
 #define PAGEDSERVE_ROWS_CASE(R) \
-  case R: return vnni_block<kBits, Q, R>(codes, scales, mins, groups, xq, dx, xsum, k, out);
+  case R: return vnni_block<kBits, Q, R, S>(codes, scales, mins, groups, xq, dx, xsum, k, out);
   switch (rows) {
     PAGEDSERVE_ROWS_CASE(8)
     PAGEDSERVE_ROWS_CASE(7)
@@ -243,7 +265,7 @@ void vnni_rows(int rows, const uint8_t* codes, const float* scales, const float*
     PAGEDSERVE_ROWS_CASE(4)
     PAGEDSERVE_ROWS_CASE(3)
     PAGEDSERVE_ROWS_CASE(2)
-    default: return vnni_block<kBits, Q, 1>(codes, scales, mins, groups, xq, dx, xsum, k, out);
+    default: return vnni_block<kBits, Q, 1, S>(codes, scales, mins, groups, xq, dx, xsum, k, out);
   }
 #undef PAGEDSERVE_ROWS_CASE
 }
@@ -269,9 +291,9 @@ inline void store_row(const float* src, c10::BFloat16* dst, int64_t count) {
 constexpr int64_t kRowTile = 8;
 constexpr int64_t kRowChunk = 128;  // rows whose quantized activations stay in L2 across blocks
 
-template <int kBits, typename Q, typename T>
+template <int kBits, typename Q, typename S, typename T>
 void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, const uint8_t* codes,
-                       const float* scales, const float* mins, const T* bias, int64_t n, T* y) {
+                       const S* scales, const S* mins, const T* bias, int64_t n, T* y) {
   const int64_t groups = k / kGroup;
   const int64_t blocks = (n + 15) / 16;
   const int64_t block_code_bytes = groups * (kBits == 4 ? 4 : 8) * 64;
@@ -283,7 +305,7 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
         const int64_t col0 = b * 16, cols = std::min<int64_t>(16, n - col0);
         for (int64_t r = chunk; r < chunk_end; r += kRowTile) {
           const int tile_rows = static_cast<int>(std::min(kRowTile, chunk_end - r));
-          vnni_rows<kBits, Q>(tile_rows, codes + b * block_code_bytes, scales + b * groups * 16,
+          vnni_rows<kBits, Q, S>(tile_rows, codes + b * block_code_bytes, scales + b * groups * 16,
                               mins + b * groups * 16, groups, xr.q.data() + r * k,
                               xr.scale.data() + r * groups, xr.sum.data() + r * groups, k, tile);
           for (int i = 0; i < tile_rows; ++i) {
@@ -300,13 +322,21 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
 
 template <typename Q, typename T>
 void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
-                           const uint8_t* codes, const float* scales, const float* mins,
-                           const T* bias, int64_t n, T* y) {
+                           const uint8_t* codes, const torch::Tensor& scales,
+                           const torch::Tensor& mins, const T* bias, int64_t n, T* y) {
   const QuantizedRows<Q> xr = quantize_rows<Q>(x, rows, k, bits == 8);
-  if (bits == 4) {
-    quant_linear_impl<4, Q, T>(xr, rows, k, codes, scales, mins, bias, n, y);
+  auto run = [&](auto* s, auto* m) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+    if (bits == 4) {
+      quant_linear_impl<4, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y);
+    } else {
+      quant_linear_impl<8, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y);
+    }
+  };
+  if (scales.scalar_type() == torch::kFloat32) {
+    run(scales.data_ptr<float>(), mins.data_ptr<float>());
   } else {
-    quant_linear_impl<8, Q, T>(xr, rows, k, codes, scales, mins, bias, n, y);
+    run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
   }
 }
 
@@ -318,8 +348,9 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16");
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
               "weights must be contiguous");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && mins.scalar_type() == torch::kFloat32,
-              "scales and mins must be fp32");
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kHalf) &&
+                  mins.scalar_type() == scales.scalar_type(),
+              "scales and mins must both be fp32 or both fp16");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
   const int64_t blocks = (n + 15) / 16, groups = k / kGroup;
@@ -337,13 +368,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   DISPATCH_FLOAT_OR_BF16(x.scalar_type(), "quant_linear", [&] {
     const scalar_t* bp = bias ? b.data_ptr<scalar_t>() : nullptr;
     if (activation_bits == 8) {
-      quant_linear_dispatch<int8_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c,
-                                    scales.data_ptr<float>(), mins.data_ptr<float>(), bp, n,
-                                    y.data_ptr<scalar_t>());
+      quant_linear_dispatch<int8_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c, scales, mins, bp,
+                                    n, y.data_ptr<scalar_t>());
     } else {
-      quant_linear_dispatch<int16_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c,
-                                     scales.data_ptr<float>(), mins.data_ptr<float>(), bp, n,
-                                     y.data_ptr<scalar_t>());
+      quant_linear_dispatch<int16_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c, scales, mins,
+                                     bp, n, y.data_ptr<scalar_t>());
     }
   });
   return y;

@@ -167,7 +167,7 @@ ACTIVATION_BITS = 16
 def vnni_layout(weight: GGUFQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Codes, scales, mins and bits in the compiled kernel's layout (csrc/cpu_ops.cpp,
     quant_linear): 16 output columns per block, each 32-bit lane one column's 4 consecutive
-    codes. N is padded to a multiple of 16 with zero columns. Q8_0 codes are stored + 128 as
+    codes; scales and mins in fp16 where that is exact, else fp32. N is padded to a multiple of 16 with zero columns. Q8_0 codes are stored + 128 as
     unsigned bytes with min = -128 * scale (exact: the shift cancels in the kernel)."""
     n, k = weight.shape
     groups, blocks = k // GROUP_SIZE, -(-n // 16)
@@ -193,7 +193,13 @@ def vnni_layout(weight: GGUFQuantWeight) -> tuple[torch.Tensor, torch.Tensor, to
     def per_block(values: torch.Tensor) -> torch.Tensor:
         return values.view(blocks, 16, groups).transpose(1, 2).contiguous()
 
-    return packed.flatten(), per_block(scales), per_block(mins), bits
+    scales, mins = per_block(scales), per_block(mins)
+    # fp16 where exact (Q4_0, Q4_1, Q8_0 store fp16; Q4_K's d * sc products may not be): fewer
+    # bytes to stream per weight, the same values.
+    halves = scales.half(), mins.half()
+    if all(torch.equal(h.float(), f) for h, f in zip(halves, (scales, mins))):
+        scales, mins = halves
+    return packed.flatten(), scales, mins, bits
 
 
 class GroupQuantizedWeight(torch.nn.Module):
