@@ -67,6 +67,41 @@ inline __m512 load16(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+// bf16 bits of 16 floats, rounded to nearest even (as c10::BFloat16 converts).
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+}
+// v rounded to the dtype T and widened back: where the torch ops would round.
+inline __m512 round_as(__m512 v, const float*) { return v; }
+inline __m512 round_as(__m512 v, const c10::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+
+// exp(x) within ~2 ulp: 2^n * p(r), r in [-ln2/2, ln2/2], p the degree-6 Taylor polynomial.
+// 0 below -87, inf above 88.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -276,14 +311,7 @@ inline void store_row(const float* src, float* dst, int64_t count) {
 }
 inline void store_row(const float* src, c10::BFloat16* dst, int64_t count) {
 #ifdef PAGEDSERVE_AVX512
-  if (count == 16) {
-    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src));
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-    return;
-  }
+  if (count == 16) return store16(dst, _mm512_loadu_ps(src));
 #endif
   for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
 }
@@ -388,6 +416,27 @@ void add_rms_norm_impl(const T* x, T* residual_out, const T* residual_in, const 
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(h);
     for (int64_t r = begin; r < end; ++r) {
+#ifdef PAGEDSERVE_AVX512
+      if (h % 16 == 0) {
+        __m512 sq = _mm512_setzero_ps();
+        for (int64_t i = 0; i < h; i += 16) {
+          __m512 v = load16(x + r * h + i);
+          if (residual_in) v = round_as(_mm512_add_ps(v, load16(residual_in + r * h + i)), x);
+          _mm512_storeu_ps(s.data() + i, v);
+          sq = _mm512_fmadd_ps(v, v, sq);
+        }
+        const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(h) +
+                                          static_cast<float>(eps));
+        const __m512 inv_v = _mm512_set1_ps(inv);
+        for (int64_t i = 0; i < h; i += 16) {
+          const __m512 v = _mm512_loadu_ps(s.data() + i);
+          if (residual_out) store16(residual_out + r * h + i, v);
+          store16(out + r * h + i,
+                  _mm512_mul_ps(load16(weight + i), round_as(_mm512_mul_ps(v, inv_v), x)));
+        }
+        continue;
+      }
+#endif
       float sum_sq = 0.f;
       for (int64_t i = 0; i < h; ++i) {
         float v = to_float(x[r * h + i]);
@@ -443,6 +492,17 @@ void rotary_impl(T* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_
       const T* sin = sin_cache + positions[r] * d;
       for (int64_t hd = 0; hd < heads; ++hd) {
         T* x = qkv + r * row_stride + hd * d;
+#ifdef PAGEDSERVE_AVX512
+        if (half % 16 == 0) {
+          for (int64_t i = 0; i < half; i += 16) {
+            const __m512 a = load16(x + i), b = load16(x + i + half);
+            store16(x + i, _mm512_fmadd_ps(a, load16(cos + i), _mm512_mul_ps(b, load16(sin + i))));
+            store16(x + i + half, _mm512_fmadd_ps(b, load16(cos + i + half),
+                                                  _mm512_mul_ps(a, load16(sin + i + half))));
+          }
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < half; ++i) {
           const float a = to_float(x[i]), b = to_float(x[i + half]);
           x[i] = from_float<T>(a * to_float(cos[i]) + b * to_float(sin[i]));
@@ -478,7 +538,16 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < f; ++i) {
+        int64_t i = 0;
+#ifdef PAGEDSERVE_AVX512
+        for (; i + 16 <= f; i += 16) {
+          const __m512 g = load16(in + r * 2 * f + i);
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+          const __m512 silu = round_as(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), in);
+          store16(o + r * f + i, _mm512_mul_ps(silu, load16(in + r * 2 * f + f + i)));
+        }
+#endif
+        for (; i < f; ++i) {
           // rounded where torch's F.silu(gate) * up rounds: after silu, after the product
           const float g = to_float(in[r * 2 * f + i]);
           const float silu = to_float(from_float<scalar_t>(g / (1.f + std::exp(-g))));
@@ -495,7 +564,131 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // and the tokens of a short chunk): token t reads positions [0, seq_lens[t]) of block-table row
 // block_rows[t]. Cache: (Hkv, num_blocks, block_size, D), head-major. The cache is read in place,
 // block by block: no gathered copy. Two passes (scores, then values) per (token, KV head), with
-// the G query heads that share the KV head handled together.
+// the G query heads that share the KV head handled together. Scores, softmax and the weighted
+// sum of values are fp32; q . k is exact products summed in fp32 (bf16 x bf16 products are exact
+// in fp32), times the scale.
+
+#ifdef PAGEDSERVE_AVX512
+// Lane i of the result = the sum of v[i]'s 16 lanes (a transpose-and-add tree: 45 shuffles and
+// adds for 16 sums, against 16 x 8 for one horizontal reduction each).
+inline __m512 sum16(const __m512* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a, b, a, b] partial sums
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a, b, c, d]
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));  // float adds
+  }
+  for (int i = 0; i < 2; ++i) {  // lanes 0+1 and 2+3 of two quads
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+// Unreduced q . k partial sums (16 lanes) for one key row.
+inline __m512 dot_partial(const float* k, const float* q, int64_t d) {
+  __m512 a = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), a);
+  return a;
+}
+inline __m512 dot_partial(const c10::BFloat16* k, const c10::BFloat16* q, int64_t d) {
+  __m512 a = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+  for (int64_t i = 0; i < d; i += 32) {
+    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + i), (__m512bh)_mm512_loadu_si512(q + i));
+  }
+#else
+  for (int64_t i = 0; i < d; i += 16) a = _mm512_fmadd_ps(load16(q + i), load16(k + i), a);
+#endif
+  return a;
+}
+#endif
+
+#ifdef PAGEDSERVE_AVX512
+// out[0..16*DC) = sum_p w[p] * rows[p]: accumulators in registers (two sets, even and odd rows,
+// so consecutive FMAs do not wait on each other).
+template <int DC, typename T>
+inline void weighted_rows(const T* const* rows, const float* w, int64_t len, float* out) {
+  __m512 even[DC], odd[DC];
+  for (int c = 0; c < DC; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + 2 <= len; p += 2) {
+    const __m512 w0 = _mm512_set1_ps(w[p]), w1 = _mm512_set1_ps(w[p + 1]);
+    for (int c = 0; c < DC; ++c) {
+      even[c] = _mm512_fmadd_ps(w0, load16(rows[p] + 16 * c), even[c]);
+      odd[c] = _mm512_fmadd_ps(w1, load16(rows[p + 1] + 16 * c), odd[c]);
+    }
+  }
+  if (p < len) {
+    const __m512 w0 = _mm512_set1_ps(w[p]);
+    for (int c = 0; c < DC; ++c) even[c] = _mm512_fmadd_ps(w0, load16(rows[p] + 16 * c), even[c]);
+  }
+  for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
+}
+#endif
+
+// out[0..d) = sum_p w[p] * rows[p] (fp32).
+template <typename T>
+void weighted_sum(const T* const* rows, const float* w, int64_t len, int64_t d, float* out) {
+#ifdef PAGEDSERVE_AVX512
+  if (d == 64) return weighted_rows<4>(rows, w, len, out);
+  if (d == 128) return weighted_rows<8>(rows, w, len, out);
+#endif
+  std::fill(out, out + d, 0.f);
+  for (int64_t p = 0; p < len; ++p) {
+    for (int64_t i = 0; i < d; ++i) out[i] += w[p] * to_float(rows[p][i]);
+  }
+}
+
+template <typename T>
+void attention_scores(const T* q, const T* const* krows, int64_t len, int64_t d, float scale,
+                      float* s) {
+#ifdef PAGEDSERVE_AVX512
+  if (d % 32 == 0) {
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t p0 = 0; p0 < len; p0 += 16) {
+      const int64_t count = std::min<int64_t>(16, len - p0);
+      __m512 partial[16];
+      for (int i = 0; i < 16; ++i) {
+        partial[i] = i < count ? dot_partial(krows[p0 + i], q, d) : _mm512_setzero_ps();
+      }
+      _mm512_mask_storeu_ps(s + p0, static_cast<__mmask16>((1u << count) - 1),
+                            _mm512_mul_ps(sum16(partial), scale_v));
+    }
+    return;
+  }
+#endif
+  for (int64_t p = 0; p < len; ++p) {
+    float dot = 0.f;
+    for (int64_t i = 0; i < d; ++i) dot += to_float(q[i]) * to_float(krows[p][i]);
+    s[p] = dot * scale;
+  }
+}
+
+// s <- softmax(s) in place.
+inline void softmax_inplace(float* s, int64_t len) {
+  const float mx = *std::max_element(s, s + len);
+  float total = 0.f;
+  int64_t p = 0;
+#ifdef PAGEDSERVE_AVX512
+  const __m512 mx_v = _mm512_set1_ps(mx);
+  __m512 total_v = _mm512_setzero_ps();
+  for (; p + 16 <= len; p += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + p), mx_v));
+    _mm512_storeu_ps(s + p, e);
+    total_v = _mm512_add_ps(total_v, e);
+  }
+  total = _mm512_reduce_add_ps(total_v);
+#endif
+  for (; p < len; ++p) total += (s[p] = std::exp(s[p] - mx));
+  const float inv = 1.f / total;
+  for (p = 0; p < len; ++p) s[p] *= inv;
+}
 
 template <typename T>
 void paged_attention_impl(const T* q, int64_t q_token_stride, const T* key_cache,
@@ -506,61 +699,32 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const T* key_cache
   const int64_t group = heads / kv_heads;
   const int64_t head_stride = num_cache_blocks * block_size * d;  // one KV head's whole cache
   at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores;
+    std::vector<float> acc(group * d), scores;
+    std::vector<const T*> krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / kv_heads, h = task % kv_heads;
       const int64_t len = seq_lens[t];
       const int64_t* blocks = block_table + block_rows[t] * table_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qh = q + t * q_token_stride + (h * group + g) * d;
-        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(qh[i]) * scale;
-      }
-      scores.assign(group * len, 0.f);
       const T* kh = key_cache + h * head_stride;
       const T* vh = value_cache + h * head_stride;
-      for (int64_t p = 0; p < len; ++p) {
-        const T* krow = kh + (blocks[p / block_size] * block_size + p % block_size) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * d;
-          float dot = 0.f;
-#ifdef PAGEDSERVE_AVX512
-          if (d % 16 == 0) {
-            __m512 a = _mm512_setzero_ps();
-            for (int64_t i = 0; i < d; i += 16)
-              a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), load16(krow + i), a);
-            dot = _mm512_reduce_add_ps(a);
-          } else
-#endif
-          {
-            for (int64_t i = 0; i < d; ++i) dot += qg[i] * to_float(krow[i]);
-          }
-          scores[g * len + p] = dot;
+      krows.resize(len);
+      vrows.resize(len);
+      for (int64_t b = 0, p = 0; p < len; ++b) {
+        const int64_t first_row = blocks[b] * block_size * d;
+        for (int64_t offset = 0; offset < block_size && p < len; ++offset, ++p) {
+          krows[p] = kh + first_row + offset * d;
+          vrows[p] = vh + first_row + offset * d;
         }
       }
+      scores.resize(group * len);
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
-        const float mx = *std::max_element(s, s + len);
-        float total = 0.f;
-        for (int64_t p = 0; p < len; ++p) total += (s[p] = std::exp(s[p] - mx));
-        const float inv = 1.f / total;
-        for (int64_t p = 0; p < len; ++p) s[p] *= inv;
+        attention_scores(q + t * q_token_stride + (h * group + g) * d, krows.data(), len, d,
+                         scale, s);
+        softmax_inplace(s, len);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < len; ++p) {
-        const T* vrow = vh + (blocks[p / block_size] * block_size + p % block_size) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * len + p];
-          float* a = acc.data() + g * d;
-#ifdef PAGEDSERVE_AVX512
-          if (d % 16 == 0) {
-            const __m512 wv = _mm512_set1_ps(w);
-            for (int64_t i = 0; i < d; i += 16)
-              _mm512_storeu_ps(a + i, _mm512_fmadd_ps(wv, load16(vrow + i), _mm512_loadu_ps(a + i)));
-            continue;
-          }
-#endif
-          for (int64_t i = 0; i < d; ++i) a[i] += w * to_float(vrow[i]);
-        }
+      for (int64_t g = 0; g < group; ++g) {
+        weighted_sum(vrows.data(), scores.data() + g * len, len, d, acc.data() + g * d);
       }
       for (int64_t g = 0; g < group; ++g) {
         T* o = out + (t * heads + h * group + g) * d;

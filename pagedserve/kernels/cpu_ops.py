@@ -39,6 +39,8 @@ def _compile_flags() -> list[str]:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
         if "avx512_vnni" in cpu:
             flags.append("-mavx512vnni")
+        if "avx512_bf16" in cpu:
+            flags.append("-mavx512bf16")
     return flags
 
 
@@ -46,18 +48,11 @@ def enabled() -> bool:
     return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
 
 
-ELEMENTWISE_MAX_ROWS = 32
-"""The norm, rotary and activation kernels are plain loops: one call beats torch's several ops
-for the rows of a decode step, not for a long prefill chunk (there torch's vectorized ops win)."""
-
-
-def for_tensor(x, max_rows: int | None = None) -> ModuleType | None:
-    """The kernels if they serve `x` (a CPU tensor in fp32 or bf16, at most max_rows rows)."""
+def for_tensor(x) -> ModuleType | None:
+    """The kernels if they serve `x` (a CPU tensor in fp32 or bf16), else None."""
     import torch
 
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if max_rows is not None and x.shape[0] > max_rows:
         return None
     return load()
 

@@ -8,14 +8,15 @@ A shard may also arrive as a GGUFQuantWeight (GGUF codes kept packed, see quanti
 aside on the parameter, and `process_weights_after_loading` packs the whole layer for the int4
 kernel when every shard is packable, else dequantizes into the dense weight (the slow reference).
 
-A packed layer keeps its dense bf16 weight too and picks per call by the number of rows: torch's
-int4 CPU kernel reads a quarter of the bytes, so it wins while the matmul is bound by memory
-(1.6-2x at 1 row), but its cost grows with rows and by 8 rows dense bf16 is faster (2-2.5x at
-32 rows and in prefill). The price is memory: both copies stay resident.
+A packed layer keeps its dense bf16 weight too and picks per call by the number of rows. The
+packed kernel (the compiled VNNI one, `GroupQuantizedWeight`, else torch's int4 kernel) reads a
+quarter of the bytes, so it wins while the matmul is bound by memory: 3-4x dense bf16 at 1 row,
+about even by 8 to 32 rows, behind in prefill, where dense bf16 runs near the CPU's peak. The price
+is memory: both copies stay resident.
 
 `--quantization int4|int8` instead quantizes every dense weight on load (also a GGUF file's,
 re-quantized from its dequantized values) and keeps only the packed form: less memory, all rows on
-the int4 kernel (so slower for large batches).
+the packed kernel (so slower for large batches).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from pagedserve.layers.quantized import (
     GGUFQuantWeight,
+    GroupQuantizedWeight,
     concat_rows,
     packed_weight,
     quantize_weight,
@@ -33,6 +35,9 @@ from pagedserve.layers.quantized import (
 
 PACKED_MAX_ROWS = 8
 """Rows up to which a layer holding both forms multiplies by its int4 codes (see module doc)."""
+HEAD_PACKED_MAX_ROWS = 32
+"""The same for a tied head on the compiled kernel: at 32 rows it measured 6.4 ms against dense
+bf16's 8.9 (SmolLM2's 49,152 x 576 head, 2 threads), where the smaller layers are already even."""
 
 
 def default_weight_loader(
@@ -151,6 +156,8 @@ class VocabEmbedding(nn.Module):
         self.packed_head: nn.Module | None = None
         self.dense_head_above_max_rows = True
         """False when the head was quantized on request (--quantization int4/int8)."""
+        self.packed_head_max_rows = PACKED_MAX_ROWS
+        """The compiled kernel's head stays ahead of dense bf16 further: HEAD_PACKED_MAX_ROWS."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
@@ -158,7 +165,8 @@ class VocabEmbedding(nn.Module):
     def as_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in the compute dtype."""
         if self.packed_head is not None and (
-            hidden_states.shape[0] <= PACKED_MAX_ROWS or not self.dense_head_above_max_rows
+            hidden_states.shape[0] <= self.packed_head_max_rows
+            or not self.dense_head_above_max_rows
         ):
             return self.packed_head(hidden_states)
         return F.linear(hidden_states, self.weight)
@@ -179,3 +187,5 @@ class VocabEmbedding(nn.Module):
                 self.dense_head_above_max_rows = False
         elif pending:
             self.packed_head = packed_weight(pending[None], dtype)
+        if isinstance(self.packed_head, GroupQuantizedWeight):
+            self.packed_head_max_rows = HEAD_PACKED_MAX_ROWS

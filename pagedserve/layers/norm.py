@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); residual=None means x is the residual."""
-        ops = cpu_ops.for_tensor(x, cpu_ops.ELEMENTWISE_MAX_ROWS)
+        ops = cpu_ops.for_tensor(x)
         if ops is not None and x.dim() == 2 and x.is_contiguous():
             # one call instead of five ops; the same roundings (csrc/cpu_ops.cpp add_rms_norm)
             normed, residual = ops.add_rms_norm(x, residual, self.weight, self.eps)

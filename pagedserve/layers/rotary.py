@@ -32,7 +32,7 @@ class RotaryEmbedding(nn.Module):
     def rotate_in_place(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> bool:
         """Rotate the first `heads` heads of each row of qkv (T, width) in place by the compiled
         kernel; False (nothing done) where it does not serve, and forward() is the way."""
-        ops = cpu_ops.for_tensor(qkv, cpu_ops.ELEMENTWISE_MAX_ROWS)
+        ops = cpu_ops.for_tensor(qkv)
         if ops is None or qkv.dim() != 2 or qkv.stride(1) != 1:
             return False
         head_dim = self.cos_cache.shape[-1]
