@@ -6,6 +6,11 @@ keys as one contiguous (positions, head_dim) matrix: the operand a batched matmu
 Decodes are batched: their blocks are gathered into (Hkv, B, L, D) and padded positions masked.
 Each prefill chunk attends to its gathered context with a causal mask offset by the context length.
 
+On the CPU the compiled kernels (csrc/cpu_ops.cpp) read the cache in place: decodes and short
+steps through `paged_attention`, bf16 prefill chunks through the flash-style `prefill_attention`
+(2-3x these torch paths). The torch paths below remain for other devices and dtypes, and are the
+reference the kernels are tested against.
+
 torch's SDPA serves fresh prompts (causal, no context). Elsewhere plain matmuls: on this CPU
 (torch 2.13) SDPA's flash kernel costs ~13 us per (request, head) for a one-token query (the
 matmuls are ~3x faster for a batch of decodes), and a prefill chunk with context needs an
@@ -35,6 +40,10 @@ def write_kv(
     """Store this step's K/V (T, Hkv, D) at their slots; done for the whole batch before any
     attention reads, so a request may read blocks another request of the same step writes."""
     num_kv_heads, _, _, head_dim = key_cache.shape
+    ops = cpu_ops.for_tensor(k)
+    if ops is not None and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v)):
+        ops.write_kv(key_cache, value_cache, k, v, slot_mapping)  # one call instead of two copies
+        return
     key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -63,11 +72,25 @@ def paged_attention(
             _decode_attention(q[:num_decodes], key_cache, value_cache, meta) if ops is None
             else kernel_attention(ops, q[:num_decodes], key_cache, value_cache, meta)
         )
+    flash = ops is not None and _flash_serves(ops, q)
     for i in range(num_decodes, meta.num_reqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        if flash:
+            out[start:end] = ops.prefill_attention(
+                q[start:end], key_cache, value_cache, meta.block_table[i], meta.context_lens[i],
+                q.shape[-1] ** -0.5,
+            )
+            continue
         k, v = _gather(key_cache, value_cache, meta.block_table[i], meta.seq_lens[i])
         out[start:end] = _prefill_attention(q[start:end], k, v, meta.context_lens[i])
     return out
+
+
+def _flash_serves(ops, q: torch.Tensor) -> bool:
+    """The compiled flash prefill kernel takes bf16 with head_dim 64 or 128 (AVX512-BF16)."""
+    return (
+        q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and ops.prefill_attention_supported()
+    )
 
 
 PREFILL_QUERY_BLOCK = 128

@@ -763,6 +763,224 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::T
 }
 
 // ---------------------------------------------------------------------------------------------
+// Prefill attention for one request's chunk in bf16: query i (position context_len + i) attends
+// to cached positions [0, context_len + i]. Flash-style: each query row walks the key blocks
+// with an online softmax, so no (T x S) score matrix is formed. The keys and values of each KV
+// head are first rearranged so that one AVX512-BF16 instruction does 16 keys' (or 16 dims')
+// worth of pair products:
+//   kt[block][p][key]  = 32-bit word (K[key][2p], K[key][2p + 1])   -> q . k for 16 keys at once
+//   vt[block][kp][dim] = 32-bit word (V[2kp][dim], V[2kp + 1][dim]) -> p . v for 16 dims at once
+// Scores, softmax and accumulators are fp32; the probabilities enter the value product rounded
+// to bf16, as in the bf16 matmul they replace.
+
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+#define PAGEDSERVE_FLASH 1
+
+constexpr int64_t kKeyTile = 16;
+
+inline uint32_t bf16_pair(const c10::BFloat16* lo, const c10::BFloat16* hi) {
+  return static_cast<uint32_t>(lo->x) | (static_cast<uint32_t>(hi->x) << 16);
+}
+
+// kRows query rows (each: D bf16 at q[r], seeing visible[r] keys) against the keys of one
+// head, 64 keys per softmax step. Several rows and four 16-key tiles keep that many independent
+// chains of dot instructions in flight (one row alone waits on their latency).
+constexpr int64_t kTilesPerStep = 4;
+constexpr int kFlashRows = 3;
+
+template <int DC, int kRows>
+void flash_rows(const c10::BFloat16* const* q, const int64_t* visible, const uint32_t* kt,
+                const uint32_t* vt, float scale, c10::BFloat16* const* out) {
+  constexpr int64_t kD = DC * 16, kPairs = kD / 2, kStep = kKeyTile * kTilesPerStep;
+  const uint32_t* qw[kRows];
+  __m512 acc[kRows][DC];
+  float running_max[kRows], total[kRows];
+  int64_t most = 0;
+  for (int r = 0; r < kRows; ++r) {
+    qw[r] = reinterpret_cast<const uint32_t*>(q[r]);
+    for (int c = 0; c < DC; ++c) acc[r][c] = _mm512_setzero_ps();
+    running_max[r] = -std::numeric_limits<float>::infinity();
+    total[r] = 0.f;
+    most = std::max(most, visible[r]);
+  }
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t first = 0; first < most; first += kStep) {
+    const int64_t tiles = std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
+    const uint32_t* kt_step = kt + (first / kKeyTile) * kPairs * kKeyTile;
+    __m512 s[kRows][kTilesPerStep];
+    for (int r = 0; r < kRows; ++r)
+      for (int j = 0; j < kTilesPerStep; ++j) s[r][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kPairs; ++p) {
+      __m512bh qp[kRows];
+      for (int r = 0; r < kRows; ++r) qp[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r][p]));
+      for (int j = 0; j < kTilesPerStep; ++j) {
+        if (j >= tiles) break;
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kt_step + (j * kPairs + p) * kKeyTile);
+        for (int r = 0; r < kRows; ++r) s[r][j] = _mm512_dpbf16_ps(s[r][j], k, qp[r]);
+      }
+    }
+    const uint32_t* vt_step = vt + (first / 2) * kD;
+    alignas(64) uint32_t pairs[kRows][kStep / 2];  // per row: (p[2kp], p[2kp+1]) as bf16 pairs
+    for (int r = 0; r < kRows; ++r) {
+      __m512 step_max = minus_inf;
+      for (int j = 0; j < tiles; ++j) {
+        const int64_t valid = std::clamp<int64_t>(visible[r] - first - j * kKeyTile, 0, kKeyTile);
+        const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+        s[r][j] = _mm512_mask_blend_ps(keep, minus_inf, _mm512_mul_ps(s[r][j], scale_v));
+        step_max = _mm512_max_ps(step_max, s[r][j]);
+      }
+      // Every row sees key 0, so its running max is finite from the first step on.
+      const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(step_max));
+      const float alpha = std::exp(running_max[r] - new_max);  // 0 on the first step
+      running_max[r] = new_max;
+      const __m512 max_v = _mm512_set1_ps(new_max);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < tiles; ++j) {
+        const __m512 probs = exp512(_mm512_sub_ps(s[r][j], max_v));  // exp(-inf) = 0
+        sum = _mm512_add_ps(sum, probs);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r] + 8 * j),
+                           _mm512_cvtepi32_epi16(bf16_bits(probs)));
+      }
+      total[r] = total[r] * alpha + _mm512_reduce_add_ps(sum);
+      const __m512 alpha_v = _mm512_set1_ps(alpha);
+      for (int c = 0; c < DC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], alpha_v);
+    }
+    // p . v for all rows together: each value tile is loaded once for every row.
+    const int64_t key_pairs = std::min<int64_t>(kStep, most - first + 1) / 2;
+    for (int64_t kp = 0; kp < key_pairs; ++kp) {
+      __m512bh v[DC];
+      for (int c = 0; c < DC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt_step + kp * kD + 16 * c);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][kp]));
+        for (int c = 0; c < DC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], w);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / total[r]);
+    for (int c = 0; c < DC; ++c) store16(out[r] + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+  }
+}
+
+template <int DC>
+void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BFloat16* key_cache,
+                   const c10::BFloat16* value_cache, int64_t num_cache_blocks, int64_t block_size,
+                   const int64_t* block_ids, int64_t context_len, int64_t tokens, int64_t heads,
+                   int64_t kv_heads, float scale, c10::BFloat16* out) {
+  constexpr int64_t kD = DC * 16, kPairs = kD / 2;
+  const int64_t group = heads / kv_heads;
+  const int64_t seq_len = context_len + tokens;
+  const int64_t tiles = (seq_len + kKeyTile - 1) / kKeyTile;
+  const int64_t head_stride = num_cache_blocks * block_size * kD;
+  // kt, vt per KV head: tiles * 16 keys * D / 2 words each; keys past seq_len are zero.
+  std::vector<uint32_t> kt(kv_heads * tiles * kKeyTile * kPairs, 0);
+  std::vector<uint32_t> vt(kv_heads * tiles * kKeyTile * kPairs, 0);
+  at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / tiles, tile = task % tiles;
+      uint32_t* kt_tile = kt.data() + task * kKeyTile * kPairs;
+      uint32_t* vt_tile = vt.data() + task * kKeyTile * kPairs;
+      const c10::BFloat16* rows[kKeyTile];
+      const int64_t first = tile * kKeyTile, count = std::min(kKeyTile, seq_len - first);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t pos = first + j;
+        rows[j] = key_cache + h * head_stride +
+                  (block_ids[pos / block_size] * block_size + pos % block_size) * kD;
+      }
+      for (int64_t j = 0; j < count; ++j) {
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(rows[j]);
+        for (int64_t p = 0; p < kPairs; ++p) kt_tile[p * kKeyTile + j] = words[p];
+      }
+      for (int64_t j = 0; j < count; ++j) rows[j] += value_cache - key_cache;  // same slots in V
+      for (int64_t kp = 0; kp < (count + 1) / 2; ++kp) {
+        const c10::BFloat16* even = rows[2 * kp];
+        const c10::BFloat16 zero(0.f);
+        for (int64_t dim = 0; dim < kD; ++dim) {
+          const c10::BFloat16* odd = 2 * kp + 1 < count ? rows[2 * kp + 1] + dim : &zero;
+          vt_tile[kp * kD + dim] = bf16_pair(even + dim, odd);
+        }
+      }
+    }
+  });
+  // Rows (token, head) of a KV head in blocks of 8 tokens; a later token sees more keys, so the
+  // blocks are dealt from both ends to give the threads equal work.
+  constexpr int64_t kTokenBlock = 8;
+  const int64_t token_blocks = (tokens + kTokenBlock - 1) / kTokenBlock;
+  at::parallel_for(0, kv_heads * token_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / token_blocks, k = task % token_blocks;
+      const int64_t block = k % 2 == 0 ? k / 2 : token_blocks - 1 - k / 2;
+      const uint32_t* kt_head = kt.data() + h * tiles * kKeyTile * kPairs;
+      const uint32_t* vt_head = vt.data() + h * tiles * kKeyTile * kPairs;
+      const c10::BFloat16* qs[kFlashRows];
+      c10::BFloat16* outs[kFlashRows];
+      int64_t visible[kFlashRows];
+      int n = 0;
+      const int64_t last = std::min(tokens, (block + 1) * kTokenBlock);
+      for (int64_t t = block * kTokenBlock; t < last; ++t) {
+        for (int64_t g = 0; g < group; ++g) {  // rows taken kFlashRows at a time
+          const int64_t head = h * group + g;
+          qs[n] = q + t * q_token_stride + head * kD;
+          outs[n] = out + (t * heads + head) * kD;
+          visible[n] = context_len + t + 1;
+          if (++n == kFlashRows) {
+            flash_rows<DC, kFlashRows>(qs, visible, kt_head, vt_head, scale, outs);
+            n = 0;
+          }
+        }
+      }
+      if (n == 2) flash_rows<DC, 2>(qs, visible, kt_head, vt_head, scale, outs);
+      if (n == 1) flash_rows<DC, 1>(qs, visible, kt_head, vt_head, scale, outs);
+    }
+  });
+}
+#endif
+
+// One request's prefill chunk (see above); bf16 with head_dim 64 or 128 only (the caller keeps its
+// torch path otherwise: `prefill_attention_supported`).
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                                torch::Tensor block_ids, int64_t context_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be (T, H, D) with dense heads");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && key_cache.scalar_type() == torch::kBFloat16,
+              "bf16 only");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches contiguous");
+  const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = key_cache.size(0), block_size = key_cache.size(2);
+  torch::Tensor ids = block_ids.to(torch::kInt64).contiguous();
+  TORCH_CHECK(ids.numel() * block_size >= context_len + tokens, "too few blocks");
+  torch::Tensor out = torch::empty({tokens, heads, d}, q.options());
+#ifdef PAGEDSERVE_FLASH
+  auto run = [&](auto dc) {
+    flash_prefill<decltype(dc)::value>(
+        q.data_ptr<c10::BFloat16>(), q.stride(0), key_cache.data_ptr<c10::BFloat16>(),
+        value_cache.data_ptr<c10::BFloat16>(), key_cache.size(1), block_size,
+        ids.data_ptr<int64_t>(), context_len, tokens, heads, kv_heads, static_cast<float>(scale),
+        out.data_ptr<c10::BFloat16>());
+  };
+  if (d == 64) {
+    run(std::integral_constant<int, 4>());
+  } else if (d == 128) {
+    run(std::integral_constant<int, 8>());
+  } else {
+    TORCH_CHECK(false, "head_dim 64 or 128 only");
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "built without AVX512-BF16");
+#endif
+}
+
+bool prefill_attention_supported() {
+#ifdef PAGEDSERVE_FLASH
+  return true;
+#else
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Store this step's K and V rows at their cache slots. k, v: (T, Hkv, D) views with dense heads;
 // caches (Hkv, num_blocks * block_size, D) in effect.
 
@@ -888,6 +1106,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("paged_attention", &paged_attention, "attention reading the paged cache in place");
   m.def("write_kv", &write_kv, "store K/V rows at their cache slots");
+  m.def("prefill_attention", &prefill_attention, "one request's prefill chunk, flash-style");
+  m.def("prefill_attention_supported", &prefill_attention_supported);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                     torch::Tensor>())

@@ -117,3 +117,15 @@ def test_bf16_matches_reference_within_bf16_rounding():
         q.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), meta
     ).float()
     torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([1, 300], [40, 0]), ([200, 70], [37, 500])])
+def test_bf16_prefill_chunks_match_reference(query_lens, context_lens):
+    """Long bf16 chunks: on the CPU the flash-style prefill kernel (probabilities rounded to bf16
+    before the value product, as a bf16 matmul would), else the torch matmuls."""
+    q, key_cache, value_cache, meta = build_batch(query_lens, context_lens)
+    expected = reference_paged_attention(q, key_cache, value_cache, meta)
+    actual = paged_attention(
+        q.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), meta
+    ).float()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)
