@@ -10,6 +10,10 @@ installed only while profiling:
                   + output processing (detokenize, stop strings)
     forward     = embedding + norms + QKV/O projections + rotary + attention + MLP
                   + "other forward" (the Python between modules: views, splits, residuals)
+
+A step of at most FUSED_MAX_TOKENS tokens normally runs its decoder layers in one compiled call
+(kernels/decoder_stack.py), which hooks cannot see into: the timed steps run the modules instead
+(the same kernels, one call each), and the bare step is timed both ways.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class StepTimes:
     total: float = 0.0
     num_steps: int = 0
     uninstrumented_step: float | None = None
+    modules_step: float | None = None
+    """The bare step with the compiled decoder stack off (Python modules, same kernels)."""
     """Seconds of one such step without the hooks (decode only), to bound their overhead."""
 
     def per_step_ms(self) -> dict[str, float]:
@@ -129,12 +135,17 @@ def _instrumented(engine: LLMEngine, timer: _Timer) -> Iterator[None]:
     wrap(model, "compute_logits", "output head (logits)")
     wrap(runner, "_sample", "sampling")
     wrap(engine.output_processor, "process_outputs", "output processing")
+    rotary = model.model.layers[0].self_attn.rotary_emb  # one instance shared by the layers
+    wrap(rotary, "rotate_in_place", "rotary")  # the in-place kernel is a method, not forward
 
     original_activation = llama_module.silu_and_mul
     llama_module.silu_and_mul = timer.wrap(MLP_ACTIVATION, original_activation)
+    original_fused_max = llama_module.FUSED_MAX_TOKENS
+    llama_module.FUSED_MAX_TOKENS = 0  # the modules run the stack's kernels one by one, visibly
     try:
         yield
     finally:
+        llama_module.FUSED_MAX_TOKENS = original_fused_max
         llama_module.silu_and_mul = original_activation
         for handle in handles:
             handle.remove()
@@ -151,6 +162,13 @@ def _timed_steps(engine: LLMEngine, num_steps: int) -> StepTimes:
             timer.times.total += timer.stop()
             timer.times.num_steps += 1
     return timer.times
+
+
+def _bare_step_seconds(engine: LLMEngine, num_steps: int = 2) -> float:
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    return (time.perf_counter() - start) / num_steps
 
 
 def _prompt(length: int, offset: int) -> dict:
@@ -177,11 +195,15 @@ def profile_steps(
         engine.step()
     engine.step()  # the first all-decode step, untimed (warm-up)
     decode = _timed_steps(engine, num_decode_steps)
-    # The hooks cost a few microseconds per module call: time the same steps bare, to compare.
-    start = time.perf_counter()
-    for _ in range(2):
-        engine.step()
-    decode.uninstrumented_step = (time.perf_counter() - start) / 2
+    # The hooks cost a few microseconds per module call: time the same steps bare, to compare,
+    # as served (small steps in the compiled decoder stack) and module by module.
+    decode.uninstrumented_step = _bare_step_seconds(engine)
+    fused_max = llama_module.FUSED_MAX_TOKENS
+    llama_module.FUSED_MAX_TOKENS = 0
+    try:
+        decode.modules_step = _bare_step_seconds(engine)
+    finally:
+        llama_module.FUSED_MAX_TOKENS = fused_max
     engine.abort_request([f"profile-decode-{i}" for i in range(batch_size)])
     engine.reset_prefix_cache()
     return {f"prefill chunk ({prompt_len} tokens, 1 request)": prefill,
@@ -208,4 +230,10 @@ def format_profile(profiles: dict[str, StepTimes]) -> str:
     ]
     lines.append(f"{'same step without the timing hooks':<{width}}"
                  + "".join(f"{c:>32}" for c in bare))
+    modules = [
+        "" if p.modules_step is None else f"{1000 * p.modules_step:9.2f}        "
+        for p in profiles.values()
+    ]
+    lines.append(f"{'  ... with the decoder stack off':<{width}}"
+                 + "".join(f"{c:>32}" for c in modules))
     return "\n".join(lines)
