@@ -181,7 +181,7 @@ def profile_steps(
 ) -> dict[str, StepTimes]:
     """Profile one prefill chunk of `prompt_len` tokens (one request, alone) and decode steps of
     `batch_size` requests; the engine is left idle."""
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=num_decode_steps + 6)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=num_decode_steps + 12)
     engine.reset_prefix_cache()
     engine.add_request("profile-prefill", _prompt(prompt_len, -1), params)
     prefill = _timed_steps(engine, 1)
