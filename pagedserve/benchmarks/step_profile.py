@@ -62,9 +62,9 @@ class StepTimes:
     total: float = 0.0
     num_steps: int = 0
     uninstrumented_step: float | None = None
+    """Seconds of one such step without the hooks (decode only), to bound their overhead."""
     modules_step: float | None = None
     """The bare step with the compiled decoder stack off (Python modules, same kernels)."""
-    """Seconds of one such step without the hooks (decode only), to bound their overhead."""
 
     def per_step_ms(self) -> dict[str, float]:
         return {part: 1000 * seconds / self.num_steps for part, seconds in self.parts.items()}
@@ -140,12 +140,10 @@ def _instrumented(engine: LLMEngine, timer: _Timer) -> Iterator[None]:
 
     original_activation = llama_module.silu_and_mul
     llama_module.silu_and_mul = timer.wrap(MLP_ACTIVATION, original_activation)
-    original_fused_max = llama_module.FUSED_MAX_TOKENS
-    llama_module.FUSED_MAX_TOKENS = 0  # the modules run the stack's kernels one by one, visibly
     try:
-        yield
+        with _decoder_stack_off():  # the modules run the stack's kernels one by one, visibly
+            yield
     finally:
-        llama_module.FUSED_MAX_TOKENS = original_fused_max
         llama_module.silu_and_mul = original_activation
         for handle in handles:
             handle.remove()
@@ -162,6 +160,17 @@ def _timed_steps(engine: LLMEngine, num_steps: int) -> StepTimes:
             timer.times.total += timer.stop()
             timer.times.num_steps += 1
     return timer.times
+
+
+@contextmanager
+def _decoder_stack_off() -> Iterator[None]:
+    """Run every step through the Python modules (kernels/decoder_stack.py serves none)."""
+    fused_max = llama_module.FUSED_MAX_TOKENS
+    llama_module.FUSED_MAX_TOKENS = 0
+    try:
+        yield
+    finally:
+        llama_module.FUSED_MAX_TOKENS = fused_max
 
 
 def _bare_step_seconds(engine: LLMEngine, num_steps: int = 2) -> float:
@@ -198,12 +207,8 @@ def profile_steps(
     # The hooks cost a few microseconds per module call: time the same steps bare, to compare,
     # as served (small steps in the compiled decoder stack) and module by module.
     decode.uninstrumented_step = _bare_step_seconds(engine)
-    fused_max = llama_module.FUSED_MAX_TOKENS
-    llama_module.FUSED_MAX_TOKENS = 0
-    try:
+    with _decoder_stack_off():
         decode.modules_step = _bare_step_seconds(engine)
-    finally:
-        llama_module.FUSED_MAX_TOKENS = fused_max
     engine.abort_request([f"profile-decode-{i}" for i in range(batch_size)])
     engine.reset_prefix_cache()
     return {f"prefill chunk ({prompt_len} tokens, 1 request)": prefill,

@@ -1,12 +1,10 @@
-// CPU kernels for the small-batch step (decode of a few requests), where the model is bound by
-// memory and by per-op overhead rather than by FLOPs. Built on first use by
-// pagedserve/kernels/cpu_ops.py (torch.utils.cpp_extension); every op has a plain-torch reference
-// in the Python layers, and tests/kernels/test_cpu_ops.py compares the two.
+// CPU kernels: the quantized matmul on GGUF codes, paged attention (decode and flash-style
+// prefill), the elementwise ops around them, and the decoder layers as one call for small steps.
+// Built on first use by pagedserve/kernels/cpu_ops.py (torch.utils.cpp_extension); every op has a
+// plain-torch reference in the Python layers, and tests/kernels/ and tests/attention/ compare them.
 //
-// All arithmetic is fp32: bf16 inputs widen exactly, results round once when stored. Weights stay
-// in the GGUF group form (per 32 elements along K: value = scale * code + min) and are widened to
-// fp32 in registers, so a quantized matmul equals the dequantized-fp32 reference up to summation
-// order.
+// Statistics, scores and accumulators are fp32: bf16 inputs widen exactly, results round once when
+// stored. The quantized matmul's own numerics are described at quant_linear.
 
 #include <torch/extension.h>
 
@@ -1012,7 +1010,7 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
 // The decoder layers of a Llama-family model (Llama, Qwen2) for a step of a few tokens, in one
 // call from Python instead of ~80 ops per layer. It runs exactly the ops the Python modules run
 // on the CPU for such a step (the kernels above, in the same order and dtypes), so its output is
-// bitwise equal to theirs: tests/kernels/test_cpu_ops.py checks that.
+// bitwise equal to theirs: tests/kernels/test_decoder_stack.py checks that.
 
 struct PackedLinear {
   torch::Tensor codes, scales, mins;

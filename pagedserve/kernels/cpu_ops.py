@@ -2,7 +2,7 @@
 
 `load()` returns the extension module, or None where it cannot be had (no compiler, a build
 error, PAGEDSERVE_CPU_KERNELS=0): callers then keep their plain-torch path, which is also the
-reference the kernels are tested against. The build takes about a minute once; torch caches it
+reference the kernels are tested against. The build takes about 30 s once; torch caches it
 under $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), keyed by the source's content.
 """
 

@@ -25,6 +25,8 @@ import gguf
 import numpy as np
 import torch
 
+from pagedserve.kernels import cpu_ops
+
 GROUP_SIZE = 32
 INNER_K_TILES = 2
 """Any of 1, 2, 4, 8 packs identically on the CPU (checked on torch 2.13); only CUDA uses it.
@@ -167,8 +169,9 @@ ACTIVATION_BITS = 16
 def vnni_layout(weight: GGUFQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Codes, scales, mins and bits in the compiled kernel's layout (csrc/cpu_ops.cpp,
     quant_linear): 16 output columns per block, each 32-bit lane one column's 4 consecutive
-    codes; scales and mins in fp16 where that is exact, else fp32. N is padded to a multiple of 16 with zero columns. Q8_0 codes are stored + 128 as
-    unsigned bytes with min = -128 * scale (exact: the shift cancels in the kernel)."""
+    codes; scales and mins in fp16 where that is exact, else fp32. N is padded to a multiple of
+    16 with zero columns. Q8_0 codes are stored + 128 as unsigned bytes with min = -128 * scale
+    (exact: the shift cancels in the kernel)."""
     n, k = weight.shape
     groups, blocks = k // GROUP_SIZE, -(-n // 16)
     bits = 4 if weight.is_int4 else 8
@@ -204,8 +207,9 @@ def vnni_layout(weight: GGUFQuantWeight) -> tuple[torch.Tensor, torch.Tensor, to
 
 class GroupQuantizedWeight(torch.nn.Module):
     """y = x @ W^T by the compiled CPU kernel (csrc/cpu_ops.cpp `quant_linear`): the weights stay
-    GGUF groups (`scale * code + min`), the activations are quantized per 32-element group to
-    int8 on the fly, and VNNI multiplies the two (as llama.cpp does). 4-bit codes take half a
+    GGUF groups (`scale * code + min`), the activations are quantized per 32-element group on the
+    fly (int16 by default, within ~1e-5 of the exact product; int8 as llama.cpp does, see
+    ACTIVATION_BITS), and VNNI multiplies the two in exact integer sums. 4-bit codes take half a
     byte, Q8_0 codes one byte (no split)."""
 
     def __init__(self, weight: GGUFQuantWeight, ops) -> None:
@@ -228,8 +232,6 @@ class GroupQuantizedWeight(torch.nn.Module):
 
 def packed_weight(weight: GGUFQuantWeight, dtype: torch.dtype) -> torch.nn.Module:
     """The fastest packed form available: the compiled kernel's, else torch's int4 kernel."""
-    from pagedserve.kernels import cpu_ops
-
     ops = cpu_ops.load()
     if ops is not None and dtype in (torch.float32, torch.bfloat16):
         return GroupQuantizedWeight(weight, ops)

@@ -14,11 +14,15 @@ from torch import nn
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.metadata import get_forward_context
 from pagedserve.config import ModelConfig
+from pagedserve.kernels.decoder_stack import (
+    FUSED_MAX_TOKENS,
+    build_decoder_stack,
+    run_decoder_stack,
+)
 from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import Linear, MergedLinear, VocabEmbedding, default_weight_loader
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
-from pagedserve.kernels.decoder_stack import FUSED_MAX_TOKENS, build_decoder_stack, run_decoder_stack
 
 
 class LlamaAttention(nn.Module):

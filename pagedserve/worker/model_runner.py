@@ -15,9 +15,9 @@ import torch
 
 from pagedserve.attention import AttentionMetadata, forward_context
 from pagedserve.attention.paged import kv_cache_shape
-from pagedserve.kernels import cpu_ops
 from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedserve.kernels import cpu_ops
 from pagedserve.models import get_model_class
 from pagedserve.models.loader import iter_model_weights
 from pagedserve.sample.bitmask import apply_token_bitmask_
