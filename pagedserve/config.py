@@ -246,6 +246,75 @@ class StructuredOutputConfig:
             raise ValueError(f"num_compile_threads must be >= 1, got {self.num_compile_threads}")
 
 
+CPU_BINDING_MODES = ("auto", "none")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over ranks (processes): tensor x pipeline parallel, on one or
+    several nodes. world_size 1 runs in the engine's own process (the uni-process executor)."""
+
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer: heads for attention, columns/rows for the MLP, vocabulary
+    for the embedding and head; one all-reduce after attention and one after the MLP."""
+    pipeline_parallel_size: int = 1
+    """Stages that each hold a contiguous range of layers; hidden states go stage to stage."""
+    nnodes: int = 1
+    """Machines the ranks are spread over; each runs world_size / nnodes of them."""
+    node_rank: int = 0
+    """This machine's index; node 0 runs the engine (API server), others run `--headless`."""
+    master_addr: str = "127.0.0.1"
+    """Where node 0 listens: the torch.distributed rendezvous and the workers' control channel."""
+    master_port: int = 0
+    """Rendezvous port on master_addr (the control channel takes the next one); 0: a free port,
+    single node only."""
+    cpu_binding: str = "auto"
+    """"auto": on the CPU, pin each local rank to its own share of this process's CPUs, with a
+    thread count to match; "none": leave placement to the OS."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"world size {self.world_size} (tensor x pipeline parallel) must be "
+                             f"a multiple of nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("a multi-node run needs --master-port (and --master-addr)")
+        if not 0 <= self.master_port < 65535:
+            raise ValueError(f"master_port must be in [0, 65535), got {self.master_port}")
+        if self.cpu_binding not in CPU_BINDING_MODES:
+            raise ValueError(f"cpu_binding must be one of {CPU_BINDING_MODES}, "
+                             f"got {self.cpu_binding!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on each node."""
+        return self.world_size // self.nnodes
+
+    def verify_with_model(self, model: ModelConfig) -> None:
+        """Raise ValueError (at startup, naming the sizes that work) if the model cannot split."""
+        tp = self.tensor_parallel_size
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            count = getattr(model, name)
+            if count % tp:
+                valid = [n for n in range(1, count + 1)
+                         if model.num_attention_heads % n == 0 and model.num_key_value_heads % n == 0]
+                raise ValueError(
+                    f"tensor_parallel_size {tp} does not divide the model's {name} ({count}); "
+                    f"sizes that split its heads evenly: {valid}"
+                )
+        if self.pipeline_parallel_size > model.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} exceeds the "
+                             f"model's {model.num_hidden_layers} layers")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; each component receives only its own part."""
@@ -258,3 +327,4 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     """None: no speculative decoding."""
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedserve.core.scheduler import SchedulerStats, SpecDecodingStats
+from pagedserve.core.stats import SchedulerStats, SpecDecodingStats
 from pagedserve.outputs import RequestOutput
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST

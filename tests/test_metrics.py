@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.core.scheduler import SchedulerStats, SpecDecodingStats
+from pagedserve.core.stats import SchedulerStats, SpecDecodingStats
 from pagedserve.metrics import PrometheusStatLogger, build_1_2_5_buckets
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 

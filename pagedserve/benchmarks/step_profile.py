@@ -12,7 +12,7 @@ installed only while profiling:
                   + "other forward" (the Python between modules: views, splits, residuals)
 
 A step of at most FUSED_MAX_TOKENS tokens normally runs its decoder layers in one compiled call
-(kernels/decoder_stack.py), which hooks cannot see into: the timed steps run the modules instead
+(models/decoder_stack.py), which hooks cannot see into: the timed steps run the modules instead
 (the same kernels, one call each), and the bare step is timed both ways.
 """
 
@@ -164,7 +164,7 @@ def _timed_steps(engine: LLMEngine, num_steps: int) -> StepTimes:
 
 @contextmanager
 def _decoder_stack_off() -> Iterator[None]:
-    """Run every step through the Python modules (kernels/decoder_stack.py serves none)."""
+    """Run every step through the Python modules (models/decoder_stack.py serves none)."""
     fused_max = llama_module.FUSED_MAX_TOKENS
     llama_module.FUSED_MAX_TOKENS = 0
     try:

@@ -28,7 +28,7 @@ from pagedserve.benchmarks.datasets import (
     make_workload,
 )
 from pagedserve.benchmarks.step_profile import format_profile, profile_steps
-from pagedserve.core.scheduler import SpecDecodingStats
+from pagedserve.core.stats import SpecDecodingStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine

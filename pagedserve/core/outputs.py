@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -33,6 +35,22 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    """Output tokens this step computes (sampled since the request was last scheduled). The rank
+    that sampled them already has them; every other pipeline stage appends them here."""
+
+
+@dataclass
+class GrammarOutput:
+    """What the model runner needs to mask one step's logits: plain numpy, no matcher.
+
+    A constrained request that samples this step owns 1 + len(its drafts) consecutive rows of
+    `bitmask`, starting at `first_row[req_id]`, in the order of its logits rows.
+    """
+
+    first_row: dict[str, int]
+    bitmask: np.ndarray
+    """(rows, ceil(model vocab / 32)) int32; bit i of word w allows token 32 * w + i."""
 
 
 @dataclass
@@ -47,6 +65,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """req_id -> the draft tokens to verify this step (only requests that have some). They are
     the last len(drafts) of the request's scheduled tokens: the query is [last token, *drafts]."""
+    grammar: GrammarOutput | None = None
+    """Bitmask rows of the constrained requests that sample this step; the engine's structured
+    output manager fills it after scheduling (None: no constrained request samples)."""
 
     @property
     def is_empty(self) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
@@ -27,67 +26,7 @@ from pagedserve.core.outputs import (
     SchedulerOutput,
 )
 from pagedserve.request import Request, RequestStatus
-from pagedserve.structured_output.stats import StructuredOutputStats
-
-
-@dataclass
-class SpecDecodingStats:
-    """Counters since start. A "draft" is one request's run of draft tokens verified in a step."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
-    """[i]: drafts that had a token at position i (0-based, after the last accepted token)."""
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    """[i]: drafts whose token at position i was accepted (so were all before it)."""
-
-    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        assert 0 <= num_accepted_tokens <= num_draft_tokens
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-        for counts, num in ((self.num_draft_tokens_per_pos, num_draft_tokens),
-                            (self.num_accepted_tokens_per_pos, num_accepted_tokens)):
-            counts.extend([0] * (num_draft_tokens - len(counts)))
-            for pos in range(num):
-                counts[pos] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def acceptance_rate_per_pos(self) -> list[float]:
-        return [accepted / drafted for accepted, drafted
-                in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)]
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens gained per verifying step: the accepted drafts plus the one sampled token."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    def copy(self) -> SpecDecodingStats:
-        return SpecDecodingStats(
-            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-            list(self.num_draft_tokens_per_pos), list(self.num_accepted_tokens_per_pos),
-        )
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_prompt_tokens_computed: int
-    num_generation_tokens: int
-    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
-    """Counters of speculative decoding (all zero when it is off)."""
-    structured_output: StructuredOutputStats = field(default_factory=StructuredOutputStats)
-    """Counters of constrained decoding; the engine fills them (its manager owns them)."""
+from pagedserve.core.stats import SchedulerStats, SpecDecodingStats
 
 
 class Scheduler:
@@ -238,9 +177,14 @@ class Scheduler:
         for req_id, block_ids in new_block_ids.items():
             if req_id in new_req_ids:
                 continue
+            request = self.requests[req_id]
             cached_reqs.req_ids.append(req_id)
             cached_reqs.new_block_ids.append(block_ids)
-            cached_reqs.num_computed_tokens.append(self.requests[req_id].num_computed_tokens)
+            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            # | prompt ... | outputs computed | outputs sampled, not computed | drafts |
+            #                                 ^ num_computed_tokens            ^ num_tokens
+            first_new = max(request.num_computed_tokens, request.num_prompt_tokens)
+            cached_reqs.new_token_ids.append(request.all_token_ids[first_new:request.num_tokens])
 
         # Draft tokens are the tail of what is scheduled; the budget may have cut some off.
         #  | computed | known tokens not computed | drafts scheduled | drafts cut off |

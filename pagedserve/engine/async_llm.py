@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedserve.core.scheduler import SchedulerStats
+from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.outputs import OutputKind, RequestOutput

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.scheduler import Scheduler, SchedulerStats
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.outputs import OutputKind, RequestOutput
@@ -238,9 +239,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         failed_outputs = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
-        grammar_output = self.structured_output_manager.grammar_bitmask(
+        scheduler_output.grammar = self.structured_output_manager.grammar_bitmask(
             self.scheduler.requests, scheduler_output)
-        runner_output = self.model_runner.execute_model(scheduler_output, grammar_output)
+        runner_output = self.model_runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)
         for seq_id, stop_str in processed.stopped_by_string.items():

@@ -14,7 +14,7 @@ from torch import nn
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.metadata import get_forward_context
 from pagedserve.config import ModelConfig
-from pagedserve.kernels.decoder_stack import (
+from pagedserve.models.decoder_stack import (
     FUSED_MAX_TOKENS,
     build_decoder_stack,
     run_decoder_stack,
@@ -102,7 +102,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._stack: object | None | bool = False
         """The compiled DecoderStack for small steps: False until first asked, None if it does
-        not apply (kernels/decoder_stack.py)."""
+        not apply (models/decoder_stack.py)."""
 
     def _decoder_stack(self) -> object | None:
         if self._stack is False:  # built on first use: the weights are final by then

@@ -22,6 +22,7 @@ import torch
 
 from pagedserve.config import ModelConfig
 from pagedserve.layers.quantized import GGUFQuantWeight
+from pagedserve.models import get_model_class
 from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -225,3 +226,22 @@ def _read_json(path: str) -> dict | None:
 
 def _as_list(value) -> list:
     return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def load_model(
+    model_path: str,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_packed: bool = False,
+    quantize_on_load: str | None = None,
+) -> torch.nn.Module:
+    """keep_packed: also run GGUF 4/8-bit weights on their codes (bf16 on the CPU; see
+    layers/linear.py). quantize_on_load: "int4" / "int8" quantize every linear weight instead."""
+    with torch.device(device):
+        model = get_model_class(model_config.architecture)(model_config, dtype)
+    model.load_weights(iter_model_weights(model_path, dtype, keep_packed and not quantize_on_load))
+    for module in model.modules():  # pack what arrived packed, or dequantize it
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading(dtype, quantize_on_load)
+    return model.to(dtype).eval()

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from pagedserve.config import ModelConfig, SpeculativeConfig
+from pagedserve.models.loader import load_model, load_model_config
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.ngram import NgramProposer
 
@@ -70,10 +71,6 @@ def create_proposer(config: SpeculativeConfig, target: TargetInfo | None = None)
             model, model_config = target.model, target.model_config
             num_layers = config.draft_num_layers
         else:
-            # Imported here: the runner imports this package.
-            from pagedserve.models.loader import load_model_config
-            from pagedserve.worker.model_runner import load_model
-
             model_config = load_model_config(config.model)
             model = load_model(config.model, model_config, target.dtype, target.device,
                                target.keep_packed, target.quantize_on_load)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedserve.config import StructuredOutputConfig
-from pagedserve.core.outputs import SchedulerOutput
+from pagedserve.core.outputs import GrammarOutput, SchedulerOutput
 from pagedserve.request import Request
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.structured_output.stats import RECENT_OBSERVATIONS, StructuredOutputStats
@@ -27,19 +27,6 @@ from pagedserve.tokenizer import Tokenizer
 
 GrammarKey = tuple[str, str]
 """(kind, text), from StructuredOutputsParams.spec()."""
-
-
-@dataclass
-class GrammarOutput:
-    """What the model runner needs to mask one step's logits: plain numpy, no matcher.
-
-    A constrained request that samples this step owns 1 + len(its drafts) consecutive rows of
-    `bitmask`, starting at `first_row[req_id]`, in the order of its logits rows.
-    """
-
-    first_row: dict[str, int]
-    bitmask: np.ndarray
-    """(rows, ceil(model vocab / 32)) int32; bit i of word w allows token 32 * w + i."""
 
 
 class GrammarCompileError(ValueError):

@@ -16,16 +16,19 @@ import torch
 from pagedserve.attention import AttentionMetadata, forward_context
 from pagedserve.attention.paged import kv_cache_shape
 from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
-from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedserve.core.outputs import (
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from pagedserve.kernels import cpu_ops
-from pagedserve.models import get_model_class
-from pagedserve.models.loader import iter_model_weights
+from pagedserve.models.loader import load_model
 from pagedserve.sample.bitmask import apply_token_bitmask_
 from pagedserve.sample.rejection_sampler import RejectionSampler
 from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedserve.sampling_params import SamplingParams, SamplingType
 from pagedserve.spec_decode import TargetInfo, create_proposer
-from pagedserve.structured_output.manager import GrammarOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,25 +44,6 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
-
-
-def load_model(
-    model_path: str,
-    model_config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    keep_packed: bool = False,
-    quantize_on_load: str | None = None,
-) -> torch.nn.Module:
-    """keep_packed: also run GGUF 4/8-bit weights on their codes (bf16 on the CPU; see
-    layers/linear.py). quantize_on_load: "int4" / "int8" quantize every linear weight instead."""
-    with torch.device(device):
-        model = get_model_class(model_config.architecture)(model_config, dtype)
-    model.load_weights(iter_model_weights(model_path, dtype, keep_packed and not quantize_on_load))
-    for module in model.modules():  # pack what arrived packed, or dequantize it
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading(dtype, quantize_on_load)
-    return model.to(dtype).eval()
 
 
 def usable_cpu_count() -> int:
@@ -167,11 +151,9 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
-    ) -> ModelRunnerOutput:
-        """grammar_output: bitmask rows of the constrained requests that sample this step."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        grammar_output = scheduler_output.grammar
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         # Decodes first: the attention backend batches the one-token queries together.
