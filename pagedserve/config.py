@@ -89,6 +89,9 @@ class SchedulerConfig:
     """Split prompts longer than the remaining budget over several steps."""
     long_prefill_token_threshold: int = 0
     """Cap on one request's prefill tokens per step, so several prompts share a step (0: no cap)."""
+    max_num_batches_in_flight: int = 1
+    """Steps scheduled before the oldest one's results are back (one per pipeline stage); each
+    takes its share of the unfinished requests."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -107,6 +110,8 @@ class SchedulerConfig:
             )
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.max_num_batches_in_flight < 1:
+            raise ValueError("max_num_batches_in_flight must be >= 1")
 
 
 QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
@@ -127,6 +132,13 @@ class DeviceConfig:
     used for matmuls of at most a few rows (bfloat16 on the CPU only; see layers/linear.py);
     "none": dequantize everything and run dense; "int4" / "int8": quantize every linear weight
     (and a tied head) on load, per 32-element group, and run packed only (bf16 on the CPU)."""
+    cpu_kernels: bool = True
+    """Use the compiled CPU kernels (csrc/cpu_ops.cpp) where they apply; False: the plain torch
+    path everywhere (the reference). Decided once per model (kernels/cpu_ops.py KernelConfig)."""
+    fused_decoder_layers: bool = True
+    """Run steps of a few tokens through all decoder layers in one compiled call
+    (models/decoder_stack.py) where it applies; needs cpu_kernels. False: the modules, one by one
+    (the same kernels, bitwise the same output)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

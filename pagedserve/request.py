@@ -101,6 +101,9 @@ class Request:
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_steps_in_flight = 0
+        """Scheduled steps of this request whose results are not back yet (pipeline stages
+        hold up to one per stage; otherwise 0 whenever the scheduler runs)."""
 
     @property
     def num_prompt_tokens(self) -> int:

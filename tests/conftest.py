@@ -33,7 +33,7 @@ def _shared_model(model_path: str, dtype: str, keep_packed: bool, quantize: str 
         import torch
 
         from pagedserve.models.loader import load_model_config
-        from pagedserve.worker.model_runner import load_model
+        from pagedserve.models.loader import load_model
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         _MODELS[key] = load_model(

@@ -2,30 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from pagedserve.attention.metadata import AttentionMetadata, get_forward_context
-from pagedserve.attention.paged import paged_attention, write_kv
-
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.metadata import get_forward_context
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
+                 backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.layer_idx = layer_idx
-        """Index of this layer's cache in the forward context's kv_caches."""
-        self.attn_fn: AttentionFn = paged_attention
+        """Index of this layer's cache in the forward context's kv_caches: local to the pipeline
+        stage (layer - start_layer), as a stage's cache list holds only its own layers."""
+        self.backend = backend
+        """Chosen once for the model (create_attention_backend), shared by its layers."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D)."""
         meta = get_forward_context()
         key_cache, value_cache = meta.kv_caches[self.layer_idx]
-        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
-        return self.attn_fn(q, key_cache, value_cache, meta)
+        self.backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        return self.backend.forward(q, key_cache, value_cache, meta)

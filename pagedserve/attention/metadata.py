@@ -43,6 +43,41 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
 
+def slot_mapping_of(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end) of a request whose blocks are block_ids:
+    | block 0: slots b0*bs .. b0*bs+bs-1 | block 1 ... |, position p in block p // bs."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def build_attention_metadata(
+    chunks: list[tuple[list[int], int, int]],
+    block_size: int,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+) -> AttentionMetadata:
+    """The step's metadata from its requests in batch order, one-token chunks first: each as
+    (block ids, first position computed now, end position). Shared by the model runner and the
+    draft model, whose caches are different but laid out alike."""
+    query_start_loc, slot_mapping = [0], []
+    for block_ids, start, end in chunks:
+        query_start_loc.append(query_start_loc[-1] + end - start)
+        slot_mapping.extend(slot_mapping_of(block_ids, start, end, block_size))
+    seq_lens = [end for _, _, end in chunks]
+    num_decodes = sum(1 for _, start, end in chunks if end - start == 1)
+    max_blocks = max(len(block_ids) for block_ids, _, _ in chunks)
+    block_table = [block_ids + [0] * (max_blocks - len(block_ids)) for block_ids, _, _ in chunks]
+    return AttentionMetadata(
+        num_decodes=num_decodes,
+        query_start_loc=query_start_loc,
+        context_lens=[start for _, start, _ in chunks],
+        seq_lens=seq_lens,
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        block_table=torch.tensor(block_table, dtype=torch.int64, device=device),
+        decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64, device=device),
+        kv_caches=kv_caches,
+    )
+
+
 _forward_context: AttentionMetadata | None = None
 
 

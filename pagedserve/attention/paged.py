@@ -1,4 +1,4 @@
-"""Paged attention from plain torch matmuls, for any device.
+"""Paged attention from plain torch matmuls, for any device: `TorchAttentionBackend`.
 
 KV cache layout per layer, for K and for V: (num_kv_heads, num_blocks, block_size, head_dim),
 head-major, so gathering a request's blocks (index_select on dim 1) directly yields each KV head's
@@ -6,10 +6,9 @@ keys as one contiguous (positions, head_dim) matrix: the operand a batched matmu
 Decodes are batched: their blocks are gathered into (Hkv, B, L, D) and padded positions masked.
 Each prefill chunk attends to its gathered context with a causal mask offset by the context length.
 
-On the CPU the compiled kernels (csrc/cpu_ops.cpp) read the cache in place: decodes and short
-steps through `paged_attention`, bf16 prefill chunks through the flash-style `prefill_attention`
-(2-3x these torch paths). The torch paths below remain for other devices and dtypes, and are the
-reference the kernels are tested against.
+On the CPU the compiled kernels are faster (attention/cpu_kernel_backend.py, which falls back to
+the functions here where they do not serve); this backend serves other devices and dtypes, runs
+when the kernels are off, and is the reference the kernels are tested against.
 
 torch's SDPA serves fresh prompts (causal, no context). Elsewhere plain matmuls: on this CPU
 (torch 2.13) SDPA's flash kernel costs ~13 us per (request, head) for a one-token query (the
@@ -25,72 +24,54 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.kernels import cpu_ops
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
-    return (num_kv_heads, num_blocks, block_size, head_dim)
+class TorchAttentionBackend(AttentionBackend):
+    """Plain torch: index_copy into the cache, batched matmuls for decodes, SDPA / blocked
+    matmuls per prefill chunk."""
+
+    def write_kv(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv_index_copy(key_cache, value_cache, k, v, slot_mapping)
+
+    def forward(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_decodes = meta.num_decodes
+        if num_decodes == meta.num_reqs:  # a pure decode step: no copy into a shared output
+            return decode_attention(q, key_cache, value_cache, meta)
+        out = torch.empty_like(q)
+        if num_decodes:
+            out[:num_decodes] = decode_attention(q[:num_decodes], key_cache, value_cache, meta)
+        for i in range(num_decodes, meta.num_reqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[start:end] = gathered_prefill_attention(
+                q[start:end], key_cache, value_cache, meta, i)
+        return out
 
 
-def write_kv(
+def write_kv_index_copy(
     key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store this step's K/V (T, Hkv, D) at their slots; done for the whole batch before any
-    attention reads, so a request may read blocks another request of the same step writes."""
+    """k, v: (T, Hkv, D) into their slots of the (Hkv, num_blocks, block_size, D) caches."""
     num_kv_heads, _, _, head_dim = key_cache.shape
-    ops = cpu_ops.for_tensor(k)
-    if ops is not None and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v)):
-        ops.write_kv(key_cache, value_cache, k, v, slot_mapping)  # one call instead of two copies
-        return
     key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-KERNEL_MAX_TOKENS = 32
-"""Steps of at most this many query tokens (decodes and short chunks, e.g. speculative
-verification) go wholly to the compiled kernel on the CPU; it reads each key once per token, so
-long prefill chunks stay on the blocked matmuls. Decodes always go to the kernel."""
-
-
-def paged_attention(
+def gathered_prefill_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+    req_index: int,
 ) -> torch.Tensor:
-    """q: (T, H, D) -> (T, H, D), reading every request's context from the cache."""
-    num_decodes = meta.num_decodes
-    ops = cpu_ops.for_tensor(q)
-    if ops is not None and (q.stride(2) != 1 or q.stride(1) != q.shape[2]):
-        ops = None  # the kernel wants each token's heads dense
-    if ops is not None and (num_decodes == meta.num_reqs or q.shape[0] <= KERNEL_MAX_TOKENS):
-        return kernel_attention(ops, q, key_cache, value_cache, meta)
-    if num_decodes == meta.num_reqs:  # a pure decode step: no copy into a shared output
-        return _decode_attention(q, key_cache, value_cache, meta)
-    out = torch.empty_like(q)
-    if num_decodes:
-        out[:num_decodes] = (
-            _decode_attention(q[:num_decodes], key_cache, value_cache, meta) if ops is None
-            else kernel_attention(ops, q[:num_decodes], key_cache, value_cache, meta)
-        )
-    flash = ops is not None and _flash_serves(ops, q)
-    for i in range(num_decodes, meta.num_reqs):
-        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        if flash:
-            out[start:end] = ops.prefill_attention(
-                q[start:end], key_cache, value_cache, meta.block_table[i], meta.context_lens[i],
-                q.shape[-1] ** -0.5,
-            )
-            continue
-        k, v = _gather(key_cache, value_cache, meta.block_table[i], meta.seq_lens[i])
-        out[start:end] = _prefill_attention(q[start:end], k, v, meta.context_lens[i])
-    return out
-
-
-def _flash_serves(ops, q: torch.Tensor) -> bool:
-    """The compiled flash prefill kernel takes bf16 with head_dim 64 or 128 (AVX512-BF16)."""
-    return (
-        q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and ops.prefill_attention_supported()
-    )
+    """Request req_index's prefill chunk q (Tq, H, D) over its gathered context -> (Tq, H, D)."""
+    k, v = _gather(key_cache, value_cache, meta.block_table[req_index], meta.seq_lens[req_index])
+    return _prefill_attention(q, k, v, meta.context_lens[req_index])
 
 
 PREFILL_QUERY_BLOCK = 128
@@ -186,7 +167,7 @@ def _decode_plan(
     return plan
 
 
-def _decode_attention(
+def decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q: (B, H, D), one query per request at the end of its sequence.
@@ -224,20 +205,6 @@ def token_rows_and_lens(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Te
         cached = torch.tensor(rows), torch.tensor(lens)
         meta.backend_state["token_rows_and_lens"] = cached
     return cached
-
-
-def kernel_attention(
-    ops, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-) -> torch.Tensor:
-    """The compiled CPU kernel (csrc/cpu_ops.cpp paged_attention) for the step's first
-    q.shape[0] tokens: reads the cache in place, no gathered copy; fp32 throughout."""
-    rows, lens = token_rows_and_lens(meta)
-    num_tokens = q.shape[0]
-    return ops.paged_attention(
-        q, key_cache, value_cache, meta.block_table, rows[:num_tokens], lens[:num_tokens],
-        q.shape[-1] ** -0.5,
-    )
 
 
 def _gather(

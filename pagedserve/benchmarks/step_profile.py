@@ -13,7 +13,8 @@ installed only while profiling:
 
 A step of at most FUSED_MAX_TOKENS tokens normally runs its decoder layers in one compiled call
 (models/decoder_stack.py), which hooks cannot see into: the timed steps run the modules instead
-(the same kernels, one call each), and the bare step is timed both ways.
+(the same kernels, one call each: the model's `fused_decoder_layers` off), and the bare step is
+timed both ways.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any
 
 import torch
 
-import pagedserve.models.llama as llama_module
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.executor.uniproc import UniProcExecutor
 from pagedserve.sampling_params import SamplingParams
 
 # Module class name -> part; the first match walking up a module's class is used. Modules not
@@ -108,7 +109,10 @@ def _module_part(name: str, module: torch.nn.Module) -> str | None:
 
 @contextmanager
 def _instrumented(engine: LLMEngine, timer: _Timer) -> Iterator[None]:
-    runner = engine.model_runner
+    if not isinstance(engine.executor, UniProcExecutor):
+        raise ValueError("--profile hooks the model in this process: it needs tensor and "
+                         "pipeline parallel size 1")
+    runner = engine.executor.worker.model_runner
     model = runner.model
     handles = []
     for name, module in model.named_modules():
@@ -131,20 +135,19 @@ def _instrumented(engine: LLMEngine, timer: _Timer) -> Iterator[None]:
 
     wrap(engine.scheduler, "schedule", "scheduling")
     wrap(engine.scheduler, "update_from_output", "scheduling")
-    wrap(engine.model_runner, "execute_model", "input prep (runner)")
+    wrap(engine.executor.worker.model_runner, "execute_model", "input prep (runner)")
     wrap(model, "compute_logits", "output head (logits)")
     wrap(runner, "_sample", "sampling")
     wrap(engine.output_processor, "process_outputs", "output processing")
-    rotary = model.model.layers[0].self_attn.rotary_emb  # one instance shared by the layers
+    layers = model.model.layers[model.start_layer : model.end_layer]
+    rotary = layers[0].self_attn.rotary_emb  # one instance shared by the layers
     wrap(rotary, "rotate_in_place", "rotary")  # the in-place kernel is a method, not forward
-
-    original_activation = llama_module.silu_and_mul
-    llama_module.silu_and_mul = timer.wrap(MLP_ACTIVATION, original_activation)
+    for layer in layers:
+        wrap(layer.mlp, "act_fn", MLP_ACTIVATION)  # a function call, not a module
     try:
-        with _decoder_stack_off():  # the modules run the stack's kernels one by one, visibly
+        with _decoder_stack_off(engine):  # the modules run the stack's kernels one by one
             yield
     finally:
-        llama_module.silu_and_mul = original_activation
         for handle in handles:
             handle.remove()
         for obj, method in wrapped:
@@ -163,14 +166,15 @@ def _timed_steps(engine: LLMEngine, num_steps: int) -> StepTimes:
 
 
 @contextmanager
-def _decoder_stack_off() -> Iterator[None]:
+def _decoder_stack_off(engine: LLMEngine) -> Iterator[None]:
     """Run every step through the Python modules (models/decoder_stack.py serves none)."""
-    fused_max = llama_module.FUSED_MAX_TOKENS
-    llama_module.FUSED_MAX_TOKENS = 0
+    model = engine.executor.worker.model_runner.model.model  # the LlamaModel
+    fused = model.fused_decoder_layers
+    model.fused_decoder_layers = False
     try:
         yield
     finally:
-        llama_module.FUSED_MAX_TOKENS = fused_max
+        model.fused_decoder_layers = fused
 
 
 def _bare_step_seconds(engine: LLMEngine, num_steps: int = 2) -> float:
@@ -207,7 +211,7 @@ def profile_steps(
     # The hooks cost a few microseconds per module call: time the same steps bare, to compare,
     # as served (small steps in the compiled decoder stack) and module by module.
     decode.uninstrumented_step = _bare_step_seconds(engine)
-    with _decoder_stack_off():
+    with _decoder_stack_off(engine):
         decode.modules_step = _bare_step_seconds(engine)
     engine.abort_request([f"profile-decode-{i}" for i in range(batch_size)])
     engine.reset_prefix_cache()

@@ -57,6 +57,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compare-no-spec", action="store_true",
                        help="with --speculative-config: also run the same engine without "
                             "speculation (same weights, same prompts) and print the ratio")
+    group.add_argument("--compare-one-process", action="store_true",
+                       help="with --tensor/--pipeline-parallel-size > 1: also run the same "
+                            "engine as one process (world size 1) and print the ratio")
     group.add_argument("--output-json", type=str, default=None, help="write all results here")
     group.add_argument("--profile", action="store_true",
                        help="after the run, break one decode step (batch = --num-prompts) and one "
@@ -227,7 +230,7 @@ def _without_speculation(llm: LLM) -> LLM:
     engine = llm.engine
     config = dataclasses.replace(engine.config, speculative=None)
     return type(llm).from_engine(
-        LLMEngine(config, tokenizer=engine.tokenizer, model=engine.model_runner.model)
+        LLMEngine(config, tokenizer=engine.tokenizer, model=engine.executor.worker.model_runner.model)
     )
 
 
@@ -328,6 +331,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_no_spec and not args.speculative_config:
         raise ValueError("--compare-no-spec needs --speculative-config")
     engine_args = EngineArgs.from_cli_args(args)
+    if args.compare_one_process and engine_args.create_parallel_config().world_size == 1:
+        raise ValueError("--compare-one-process needs --tensor-parallel-size or "
+                         "--pipeline-parallel-size > 1")
     load_average_start = os.getloadavg()[0]
     llm = LLM(**vars(engine_args))
     model_path = llm.engine.config.model_path
@@ -342,6 +348,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         no_spec, no_spec_output_ids = run_pagedserve(plain_llm, workload)
         plain_llm.engine.assert_idle()
         del plain_llm
+        gc.collect()
+    one_process = None
+    if args.compare_one_process:
+        # First, as --compare-no-spec: the parallel engine's workers idle meanwhile.
+        single_llm = LLM(**{**vars(engine_args), "tensor_parallel_size": 1,
+                            "pipeline_parallel_size": 1})
+        one_process, one_process_output_ids = run_pagedserve(single_llm, workload)
+        single_llm.engine.assert_idle()
+        del single_llm
         gc.collect()
     ours, our_output_ids = run_pagedserve(llm, workload)
     profile_table = None
@@ -367,6 +382,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             structured["output_tokens_per_s"] / unconstrained["output_tokens_per_s"])
         structured["structured_fraction"] = args.structured_fraction
         structured["json_schema"] = schema
+    llm.engine.shutdown()  # stops the worker processes, if any
     del llm  # free the KV pool before loading a second copy of the weights
     gc.collect()
 
@@ -387,6 +403,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "pagedserve": ours,
         "no_spec": no_spec,
         "spec_speedup": None,
+        "one_process": one_process,
+        "parallel_speedup": None,
         "structured": structured,
         "hf": None,
         "output_tokens_per_s_ratio": None,
@@ -399,6 +417,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         result["spec_speedup"] = {
             "output_tokens_per_s": ours["output_tokens_per_s"] / no_spec["output_tokens_per_s"],
             "mean_tpot": _safe_div(no_spec["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
+        }
+    if one_process is not None:
+        one_process["num_outputs_identical_to_ours"] = sum(
+            a == b for a, b in zip(our_output_ids, one_process_output_ids))
+        result["parallel_speedup"] = {
+            "output_tokens_per_s": ours["output_tokens_per_s"] / one_process["output_tokens_per_s"],
+            "mean_tpot": _safe_div(one_process["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
         }
     if args.chat_prompt:
         result["config"]["chat_prompts"] = args.chat_prompt
@@ -434,6 +459,9 @@ def format_table(result: dict[str, Any]) -> str:
     sides = [("pagedserve", ours)]
     if no_spec:
         sides = [("spec", ours), ("no spec", no_spec)]
+    one_process = result.get("one_process")
+    if one_process:
+        sides = [("parallel", ours), ("one process", one_process)]
     if hf:
         sides.append(("hf", hf))
 
@@ -488,12 +516,15 @@ def format_table(result: dict[str, Any]) -> str:
             f"{'spec: acceptance rate per position':<{width}}{'':>4}{per_pos}",
             f"{'spec: mean accepted length':<{width}}{spec['mean_acceptance_length']:>14.2f}",
         ]
-    if no_spec:
-        speedup = result["spec_speedup"]
-        lines.append(f"{'outputs identical spec / no spec':<{width}}"
-                     f"{no_spec['num_outputs_identical_to_ours']:>14} / {config['num_prompts']}")
+    comparisons = [("spec / no spec", no_spec, result.get("spec_speedup")),
+                   ("parallel / one process", one_process, result.get("parallel_speedup"))]
+    for label, other, speedup in comparisons:
+        if not other:
+            continue
+        lines.append(f"{'outputs identical ' + label:<{width}}"
+                     f"{other['num_outputs_identical_to_ours']:>14} / {config['num_prompts']}")
         mean_tpot = speedup["mean_tpot"]
-        lines.append(f"speedup spec / no spec: output tokens/s {speedup['output_tokens_per_s']:.2f}x"
+        lines.append(f"speedup {label}: output tokens/s {speedup['output_tokens_per_s']:.2f}x"
                      + ("" if mean_tpot is None else f", decode (1 / mean TPOT) {mean_tpot:.2f}x"))
     structured = result.get("structured")
     if structured:

@@ -69,6 +69,11 @@ class SchedulerOutput:
     """Bitmask rows of the constrained requests that sample this step; the engine's structured
     output manager fills it after scheduling (None: no constrained request samples)."""
 
+    @classmethod
+    def empty(cls, finished_req_ids: set[str]) -> SchedulerOutput:
+        """A step that computes nothing and only tells the runner which requests are gone."""
+        return cls([], CachedRequestData(), {}, 0, finished_req_ids)
+
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0

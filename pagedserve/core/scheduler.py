@@ -94,6 +94,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
+        # With pipeline stages, a batch takes its share of the unfinished requests, so that the
+        # next batch (scheduled while this one is in flight) has requests to run too.
+        num_batches = self.config.max_num_batches_in_flight
+        max_num_reqs = max(1, -(-(len(self.running) + len(self._waiting)) // num_batches))
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs = CachedRequestData()
@@ -102,7 +106,8 @@ class Scheduler:
 
         # 1. Running requests: decodes and unfinished prompts, in order.
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while (req_index < len(self.running) and token_budget > 0
+               and len(num_scheduled) < max_num_reqs):
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens(request, token_budget)
             new_blocks = None
@@ -110,7 +115,13 @@ class Scheduler:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                victim = max(self.running, key=self._preemption_order)
+                # A request with a step in flight is not preempted: its results are on the way.
+                candidates = [r for r in self.running
+                              if not r.num_steps_in_flight or r is request]
+                victim = max(candidates, key=self._preemption_order)
+                if victim is request and len(candidates) < len(self.running):
+                    num_new_tokens = 0  # not now: the steps in flight will free or need blocks
+                    break
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
                 if victim_index < req_index:
@@ -138,6 +149,7 @@ class Scheduler:
             and not preempted
             and token_budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < max_num_reqs
         ):
             request = self._waiting[0][3]
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -211,6 +223,7 @@ class Scheduler:
             num_prompt_left = request.num_prompt_tokens - request.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(num_tokens, num_prompt_left))
             request.num_computed_tokens += num_tokens
+            request.num_steps_in_flight += 1
         return output
 
     @staticmethod
@@ -244,6 +257,8 @@ class Scheduler:
         now = time.monotonic()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
+            if request is not None:
+                request.num_steps_in_flight -= 1
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             new_token_ids = runner_output.sampled_token_ids.get(req_id, [])

@@ -10,7 +10,8 @@ Before `initialize_model_parallel` (one process, the uni-process executor) both 
 rank and every collective is the identity, so models and layers call them unconditionally. These
 groups are the only module-level state in the package besides the forward context.
 
-Nothing here pickles: tensors only (torch.distributed's *_object collectives pickle; never use
+On the CPU, a tensor-parallel group whose ranks share a node all-reduces through shared memory
+(shm_allreduce.py). Nothing here pickles: tensors only (torch.distributed's *_object collectives pickle; never use
 them).
 """
 
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pagedserve.distributed.shm_allreduce import ShmAllReduce
+
 
 @dataclass
 class GroupCoordinator:
@@ -32,6 +35,9 @@ class GroupCoordinator:
     rank_in_group: int
     device_group: dist.ProcessGroup | None
     """Collectives on the model's tensors: gloo on the CPU, NCCL on CUDA (None: one rank)."""
+    shm: ShmAllReduce | None = None
+    """All-reduce through shared memory, for a group of CPU ranks on one node (gloo's costs
+    milliseconds on busy cores); larger tensors than it holds go to device_group."""
 
     @property
     def world_size(self) -> int:
@@ -56,8 +62,11 @@ class GroupCoordinator:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the group, in place; returns x."""
-        if self.world_size > 1:
-            dist.all_reduce(x, group=self.device_group)
+        if self.world_size == 1:
+            return x
+        if self.shm is not None and self.shm.supports(x):  # the same choice on every rank
+            return self.shm.all_reduce(x)
+        dist.all_reduce(x, group=self.device_group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -106,9 +115,17 @@ def init_distributed_environment(
     )
 
 
-def initialize_model_parallel(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+SHM_ALL_REDUCE_MAX_BYTES = 4 << 20
+"""Largest tensor the shared-memory all-reduce takes (a decode step's are a few KiB; a long
+prefill chunk's go to gloo). The segment holds 2 x tp slots of it under /dev/shm."""
+
+
+def initialize_model_parallel(
+    tensor_parallel_size: int, pipeline_parallel_size: int, shm_name: str | None = None,
+) -> None:
     """Build the TP and PP groups. Every rank creates every group, in the same order (a
-    torch.distributed rule), and keeps the ones it is in."""
+    torch.distributed rule), and keeps the ones it is in. shm_name: give the TP group a
+    shared-memory all-reduce under this name (unique per engine; CPU ranks on one node only)."""
     global _TP, _PP
     world_size = dist.get_world_size()
     assert world_size == tensor_parallel_size * pipeline_parallel_size, (
@@ -125,6 +142,11 @@ def initialize_model_parallel(tensor_parallel_size: int, pipeline_parallel_size:
             if rank in ranks:
                 coordinator = GroupCoordinator(ranks, ranks.index(rank), group)
                 if name == "tp":
+                    if shm_name is not None and len(ranks) > 1:
+                        coordinator.shm = ShmAllReduce(
+                            ranks, ranks.index(rank), name=f"{shm_name}-tp{ranks[0]}",
+                            max_bytes=SHM_ALL_REDUCE_MAX_BYTES,
+                            barrier=lambda group=group: dist.barrier(group=group))
                     _TP = coordinator
                 else:
                     _PP = coordinator
@@ -133,6 +155,8 @@ def initialize_model_parallel(tensor_parallel_size: int, pipeline_parallel_size:
 def destroy_model_parallel() -> None:
     """Back to one rank (tests and a worker's shutdown)."""
     global _TP, _PP
+    if _TP.shm is not None:
+        _TP.shm.close()
     _TP, _PP = _single(), _single()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -5,23 +5,35 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.config import (
+    CPU_BINDING_MODES,
     QUANTIZATION_MODES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputConfig,
 )
 from pagedserve.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
 
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+"""vLLM's short forms."""
+
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
                "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def _env_switch(name: str) -> bool:
+    """An on/off environment variable: on unless set to "0". Read here only (the edge): the
+    engine below gets the decision as config."""
+    return os.environ.get(name, "1") != "0"
 
 
 def parse_size(value: int | str) -> int:
@@ -100,6 +112,27 @@ class EngineArgs:
     """Compiled structured output grammars kept (LRU)."""
     grammar_compile_timeout: float = 10.0
     """Seconds a request's grammar may take to compile before the request fails."""
+    tensor_parallel_size: int = 1
+    """Ranks (processes) that split every layer (-tp)."""
+    pipeline_parallel_size: int = 1
+    """Ranks (processes) that each hold a contiguous range of the layers (-pp)."""
+    nnodes: int = 1
+    """Machines the ranks are spread over (the others run `pagedserve serve --headless`)."""
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where the engine runs."""
+    master_port: int = 0
+    """torch.distributed rendezvous port on node 0; the workers' control port is the next one
+    (0: free ports, single node only)."""
+    cpu_binding: str = "auto"
+    """auto: pin each rank to its own share of the CPUs, threads to match; none: no pinning."""
+    cpu_kernels: bool = field(default_factory=lambda: _env_switch("PAGEDSERVE_CPU_KERNELS"))
+    """The compiled CPU kernels where they apply; --no-cpu-kernels: plain torch everywhere (the
+    reference). Default: on unless PAGEDSERVE_CPU_KERNELS=0."""
+    fused_decoder_layers: bool = field(
+        default_factory=lambda: _env_switch("PAGEDSERVE_FUSED_LAYERS"))
+    """Steps of a few tokens through all decoder layers in one compiled call; --no-...: the
+    modules one by one. Default: on unless PAGEDSERVE_FUSED_LAYERS=0."""
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model)
@@ -128,10 +161,12 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                max_num_batches_in_flight=self.pipeline_parallel_size,
             ),
             device=DeviceConfig(
                 device=self.device, dtype=self.dtype, num_threads=self.num_threads, seed=self.seed,
-                quantization=self.quantization,
+                quantization=self.quantization, cpu_kernels=self.cpu_kernels,
+                fused_decoder_layers=self.fused_decoder_layers,
             ),
             speculative=_resolve_speculative_config(
                 parse_speculative_config(self.speculative_config), model_config
@@ -140,6 +175,15 @@ class EngineArgs:
                 max_cached_grammars=self.max_cached_grammars,
                 compile_timeout_s=self.grammar_compile_timeout,
             ),
+            parallel=self.create_parallel_config(),
+        )
+
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            nnodes=self.nnodes, node_rank=self.node_rank, master_addr=self.master_addr,
+            master_port=self.master_port, cpu_binding=self.cpu_binding,
         )
 
     @classmethod
@@ -148,8 +192,14 @@ class EngineArgs:
             if f.name == "model" and not with_model:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            if f.name in _SHORT_FLAGS:
+                parser.add_argument(flag, _SHORT_FLAGS[f.name], type=int, default=f.default)
+            elif f.name == "cpu_binding":
+                parser.add_argument(flag, choices=CPU_BINDING_MODES, default=f.default)
+            elif f.type in ("bool", bool):
+                default = (f.default if f.default_factory is dataclasses.MISSING
+                           else f.default_factory())  # the env-backed switches
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
             elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads"):
                 parser.add_argument(flag, type=int, default=f.default)
             elif f.name == "speculative_config":

@@ -23,6 +23,7 @@ import torch
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.executor import ExecutorError
 from pagedserve.outputs import OutputKind, RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -157,12 +158,18 @@ class AsyncLLM:
             return
         self.is_draining = True
         deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
-        while self._num_unfinished and (deadline is None or time.monotonic() < deadline):
+        while (self._num_unfinished and not self.errored
+               and (deadline is None or time.monotonic() < deadline)):
             await asyncio.sleep(0.05)
-        await self._call(self._abort_all)
+        if not self.errored:
+            try:
+                await self._call(self._abort_all)
+            except EngineDeadError:
+                pass
         self._stop = True
         self._submit(lambda: None)  # wake the thread so it sees _stop
         await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.engine.shutdown)  # stops the worker processes, if any
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -192,7 +199,14 @@ class AsyncLLM:
             future.set_result(None)
 
         self._submit(wrapped, future)
-        await asyncio.wrap_future(future)
+        waiting = asyncio.wrap_future(future)
+        while not future.done():
+            # A dead engine thread runs nothing more: do not wait for it forever.
+            await asyncio.wait([waiting], timeout=_IDLE_POLL_SECONDS)
+            if not future.done() and self.errored:
+                waiting.cancel()
+                raise EngineDeadError("the engine loop has failed")
+        await waiting
 
     def _abort(self, request_id: str) -> None:
         self._deliver_all(self.engine.abort_request(request_id))
@@ -251,6 +265,8 @@ class AsyncLLM:
         try:
             while not self._stop:
                 self._run_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.executor.is_failed:  # a worker died while nothing was running
+                    raise ExecutorError("the data plane failed; see the log for which worker")
                 if self.engine.has_unfinished_requests():
                     self._pick_threads()
                     self._deliver_all(self.engine.step())

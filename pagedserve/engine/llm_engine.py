@@ -6,27 +6,30 @@ requests that share the prompt's KV blocks through the prefix cache.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.executor import Executor
 from pagedserve.outputs import OutputKind, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.spec_decode.draft_model import check_same_tokenizer
 from pagedserve.tokenizer import Tokenizer
-from pagedserve.worker.model_runner import ModelRunner
 
 PromptType = str | Sequence[int] | dict[str, Any]
 """A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
@@ -57,13 +60,18 @@ class LLMEngine:
         draft_path = config.speculative.draft_model_path if config.speculative else None
         if draft_path is not None:  # before loading its weights: a mismatch fails fast
             check_same_tokenizer(self.tokenizer, Tokenizer.from_path(draft_path), draft_path)
-        self.model_runner = ModelRunner(
-            config.model_path, config.model, config.cache, config.device, model=model,
-            speculative_config=config.speculative,
-        )
-        self.scheduler = Scheduler(
-            config.scheduler, config.cache, num_blocks=self.model_runner.num_kv_blocks
-        )
+        config.parallel.verify_with_model(config.model)
+        if config.speculative is not None and config.parallel.world_size > 1:
+            raise ValueError("speculative decoding does not run with tensor or pipeline "
+                             "parallelism yet")
+        self.executor = Executor.create(config, model=model)
+        num_blocks = self.executor.determine_num_kv_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks=num_blocks)
+        self._batch_queue: collections.deque[tuple[SchedulerOutput, Future]] = collections.deque()
+        """Steps in flight, oldest first (more than one only with pipeline stages)."""
+        if self.executor.max_concurrent_batches > 1:
+            self.step = self._step_with_batch_queue
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
         self.structured_output_manager = StructuredOutputManager(
@@ -73,6 +81,8 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
         """Request id -> its sequences whose grammar is still compiling."""
         self._request_counter = itertools.count()
+        self.max_batches_in_flight = 0
+        """Most steps seen in flight at once (more than one only with pipeline stages)."""
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -238,25 +248,55 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         failed_outputs = self._admit_compiled()
+        scheduler_output = self._schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        return failed_outputs + self._update_from_output(scheduler_output, runner_output)
+
+    def _step_with_batch_queue(self) -> list[RequestOutput]:
+        """step() with pipeline stages: keep up to one batch per stage in flight, so stage 0
+        computes batch i + 1 while stage 1 computes batch i. A request is in one batch at a time
+        (its next token is not known before), so the running requests are spread over the
+        batches; a prompt's chunks may follow each other down the pipeline."""
+        failed_outputs = self._admit_compiled()
+        queue = self._batch_queue
+        if len(queue) < self.executor.max_concurrent_batches:
+            scheduler_output = self._schedule()
+            if not scheduler_output.is_empty or scheduler_output.finished_req_ids or not queue:
+                queue.append((scheduler_output, self.executor.submit(scheduler_output)))
+                self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
+            if not scheduler_output.is_empty and len(queue) < self.executor.max_concurrent_batches:
+                return failed_outputs  # fill the pipeline before waiting on its oldest batch
+        scheduler_output, future = queue.popleft()
+        return failed_outputs + self._update_from_output(scheduler_output, future.result())
+
+    def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
         scheduler_output.grammar = self.structured_output_manager.grammar_bitmask(
             self.scheduler.requests, scheduler_output)
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        return scheduler_output
+
+    def _update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)
         for seq_id, stop_str in processed.stopped_by_string.items():
             self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_str)
         self._release_finished_if_idle()
-        return failed_outputs + processed.request_outputs
+        return processed.request_outputs
 
     def _release_finished_if_idle(self) -> None:
         """Finished requests' runner state (draft KV) normally goes with the next step's
-        SchedulerOutput; with nothing left to run there is no next step, so release it now."""
-        if not self.scheduler.has_unfinished_requests():
-            self.model_runner.release_requests(self.scheduler.take_finished_req_ids())
+        SchedulerOutput; with nothing left to run there is no next step, so send it now, in an
+        empty step of its own."""
+        if not self.scheduler.has_unfinished_requests() and not self._batch_queue:
+            finished_req_ids = self.scheduler.take_finished_req_ids()
+            if finished_req_ids:
+                self.executor.execute_model(SchedulerOutput.empty(finished_req_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
+        return (bool(self._awaiting_grammar) or bool(self._batch_queue)
+                or self.scheduler.has_unfinished_requests())
 
     @property
     def num_awaiting_grammar(self) -> int:
@@ -271,6 +311,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the workers (their processes, with more than one rank); safe to call twice."""
+        self.executor.shutdown()
+        self.structured_output_manager.shutdown()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -288,13 +333,8 @@ class LLMEngine:
             problems.append(f"{pool.num_usable_blocks - pool.num_free_blocks} KV blocks still held")
         if self.output_processor.requests:
             problems.append(f"{len(self.output_processor.requests)} output states left")
-        if self.model_runner.requests:
-            problems.append(f"{len(self.model_runner.requests)} runner request states left")
-        proposer = self.model_runner.proposer
-        if proposer is not None:
-            proposer.check_integrity()
-            if proposer.num_requests:
-                problems.append(f"the proposer holds state (draft KV) of {proposer.num_requests} "
-                                "requests")
+        if self._batch_queue:
+            problems.append(f"{len(self._batch_queue)} steps still in flight")
+        problems += self.executor.check_idle()
         if problems:
             raise RuntimeError("engine not idle: " + "; ".join(problems))

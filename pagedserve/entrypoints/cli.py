@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.executor import ExecutorError
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -154,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_bench.add_cli_args(serve_bench_parser)
     serve_bench_parser.set_defaults(func=cmd_bench_serve)
+    collectives_parser = bench_commands.add_parser(
+        "collectives", help="time torch.distributed all-reduce and send/recv between processes"
+    )
+    from pagedserve.benchmarks import collectives
+
+    collectives.add_cli_args(collectives_parser)
+    collectives_parser.set_defaults(func=collectives.main)
     return parser
 
 
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as error:
+    except (ValueError, ExecutorError) as error:  # bad input, or workers that did not start
         print(f"pagedserve: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,16 +1,27 @@
 """The compiled CPU kernels (csrc/cpu_ops.cpp), built on first use and cached across processes.
 
 `load()` returns the extension module, or None where it cannot be had (no compiler, a build
-error, PAGEDSERVE_CPU_KERNELS=0): callers then keep their plain-torch path, which is also the
-reference the kernels are tested against. The build takes about 30 s once; torch caches it
-under $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), keyed by the source's content.
+error): callers then keep their plain-torch path, which is also the reference the kernels are
+tested against. The build takes about 30 s once; torch caches it under $TORCH_EXTENSIONS_DIR
+(default ~/.cache/torch_extensions), keyed by the source's content.
+
+Whether to use them is not decided here: DeviceConfig.cpu_kernels (set at the edge, from
+--[no-]cpu-kernels or PAGEDSERVE_CPU_KERNELS) is read once by whoever builds the model, as a
+KernelConfig in force while the model is built and loaded (`building_with`, as torch.device
+scopes the device). Each layer takes its kernels (`for_new_layer()`, the module or None) at
+construction and never looks again; the attention backend is chosen then too
+(attention/__init__.py). Nothing reads the environment per call.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -44,24 +55,69 @@ def _compile_flags() -> list[str]:
     return flags
 
 
-def enabled() -> bool:
-    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which compiled paths a model being built uses (from DeviceConfig; see the module doc)."""
+
+    cpu_kernels: bool = True
+    """The compiled CPU kernels where they apply; False: the plain torch path everywhere."""
+    fused_decoder_layers: bool = True
+    """Small steps through the compiled DecoderStack (models/decoder_stack.py); needs
+    cpu_kernels."""
 
 
-def for_tensor(x) -> ModuleType | None:
-    """The kernels if they serve `x` (a CPU tensor in fp32 or bf16), else None."""
+_building_with: ContextVar[KernelConfig] = ContextVar("kernel_config", default=KernelConfig())
+
+
+@contextmanager
+def building_with(config: KernelConfig) -> Iterator[None]:
+    """Build and load models under `config` (default outside any scope: KernelConfig())."""
+    token = _building_with.set(config)
+    try:
+        yield
+    finally:
+        _building_with.reset(token)
+
+
+def build_config() -> KernelConfig:
+    """The KernelConfig in force for a model being built now."""
+    return _building_with.get()
+
+
+def for_new_layer() -> ModuleType | None:
+    """The kernels a layer being built should hold: None when the build's KernelConfig turns
+    them off or they cannot be had."""
+    return load() if _building_with.get().cpu_kernels else None
+
+
+def serves(x) -> bool:
+    """Whether the kernels take `x`: a CPU tensor in fp32 or bf16."""
     import torch
 
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    return load()
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
+
+STALE_LOCK_S = 600.0
+"""A build lock older than this was left by a process killed mid-build (a build takes ~1 min)."""
+
+
+def _remove_stale_lock(build_directory: Path) -> None:
+    """torch serializes loads across processes with a lock file it removes when done; a process
+    killed while holding it (SIGKILL, or a worker stopped during start-up) leaves it behind, and
+    every later load would wait for it forever."""
+    lock = build_directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The kernels module, or None (logged once) when they are off or fail to build."""
-    if not enabled():
-        return None
+    """The kernels module, or None (logged once) when they fail to build."""
     try:
         from torch.utils import cpp_extension
 
@@ -70,6 +126,7 @@ def load() -> ModuleType | None:
         name = "pagedserve_cpu_ops_" + "_".join(
             flag.removeprefix("-m") for flag in flags if flag.startswith("-mavx512")
         ) if "-mavx512f" in flags else "pagedserve_cpu_ops_generic"
+        _remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
         return cpp_extension.load(
             name=name,
             sources=[str(SOURCE)],

@@ -1,12 +1,23 @@
-"""Linear layers whose parameters know how to load their own shards.
+"""Linear layers and the vocabulary embedding/head, each split over the tensor-parallel ranks.
 
-A merged layer (QKV, gate-up) holds several HF weights side by side along the output dimension;
-`weight_loader(param, loaded_weight, shard_id)` copies one of them into its slice. Tensor
-parallelism later narrows these slices per rank here, not in the models.
+Every parameter knows how to load its slice: `param.weight_loader(param, full_weight[, shard_id])`
+takes the whole checkpoint tensor and copies this rank's part (the models never slice). The TP
+rank and size are read from `get_tp_group()` at construction; with one rank every split is the
+whole tensor and every collective the identity, so that case runs exactly as without TP.
 
-A shard may also arrive as a GGUFQuantWeight (GGUF codes kept packed, see quantized.py): it is set
-aside on the parameter, and `process_weights_after_loading` packs the whole layer for the int4
-kernel when every shard is packable, else dequantizes into the dense weight (the slow reference).
+  MergedLinear       column-parallel: several output projections (QKV, gate-up) in one matmul;
+                     each rank holds its rows of every one (QKV: num_heads/tp query heads and
+                     num_kv_heads/tp KV heads). Outputs stay split, no communication.
+  RowParallelLinear  o_proj, down_proj: each rank holds its K/tp input columns and computes a
+                     partial sum; one all_reduce completes it (one after attention, one after
+                     the MLP per layer).
+  VocabEmbedding     vocab/tp rows per rank (padded with zero rows up to a multiple of tp); the
+  ParallelLMHead     lookup all-reduces, the head all-gathers full logits onto every rank.
+
+A shard may also arrive as a GGUFQuantWeight (GGUF codes kept packed, see quantized.py): it is
+narrowed to the rank's part still packed, set aside on the parameter, and
+`process_weights_after_loading` packs the whole layer for the int4 kernel when every shard is
+packable, else dequantizes into the dense weight (the slow reference).
 
 A packed layer keeps its dense bf16 weight too and picks per call by the number of rows. The
 packed kernel (the compiled VNNI one, `GroupQuantizedWeight`, else torch's int4 kernel) reads a
@@ -16,22 +27,29 @@ is memory: both copies stay resident.
 
 `--quantization int4|int8` instead quantizes every dense weight on load (also a GGUF file's,
 re-quantized from its dequantized values) and keeps only the packed form: less memory, all rows on
-the packed kernel (so slower for large batches).
+the packed kernel (so slower for large batches). Under TP each rank quantizes its own shard.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.distributed.parallel_state import GroupCoordinator, get_tp_group
 from pagedserve.layers.quantized import (
+    GROUP_SIZE,
     GGUFQuantWeight,
     GroupQuantizedWeight,
     concat_rows,
     packed_weight,
     quantize_weight,
 )
+
+logger = logging.getLogger(__name__)
 
 PACKED_MAX_ROWS = 8
 """Rows up to which a layer holding both forms multiplies by its int4 codes (see module doc)."""
@@ -48,8 +66,7 @@ def default_weight_loader(
             param.pending_quant = {}
         param.pending_quant[shard_id] = loaded_weight  # sized: checked when it is used
         return
-    if param.shape != loaded_weight.shape:
-        raise ValueError(f"weight shape {tuple(loaded_weight.shape)} != {tuple(param.shape)}")
+    _check_shape(loaded_weight, param.shape)
     param.data.copy_(loaded_weight)
 
 
@@ -61,12 +78,20 @@ def take_pending_quant(param: nn.Parameter) -> dict:
     return pending
 
 
-def _check_shape(weight: GGUFQuantWeight, expected: torch.Size) -> None:
-    if weight.shape != expected:
+def _check_shape(weight: torch.Tensor | GGUFQuantWeight, expected: tuple[int, ...]) -> None:
+    if tuple(weight.shape) != tuple(expected):
         raise ValueError(f"weight shape {tuple(weight.shape)} != {tuple(expected)}")
 
 
+def _split_size(size: int, tp_size: int, what: str) -> int:
+    if size % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide {what} ({size})")
+    return size // tp_size
+
+
 class Linear(nn.Module):
+    """y = x @ W^T + b with the whole matrix on every rank; the base of the parallel layers."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -75,10 +100,13 @@ class Linear(nn.Module):
         """Set when the layer also runs on GGUF codes (for inputs of at most PACKED_MAX_ROWS)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.bias)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or (self.weight is not None and x.shape[0] > PACKED_MAX_ROWS):
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
         y = self.packed(x)
-        return y if self.bias is None else y + self.bias
+        return y if bias is None else y + bias
 
     def _shard_slices(self) -> dict:
         """shard id -> the rows of `weight` it fills."""
@@ -107,28 +135,46 @@ class Linear(nn.Module):
 
 
 class MergedLinear(Linear):
-    """Several output projections computed by one matmul: y = x @ [W_0; W_1; ...]^T."""
+    """Several output projections computed by one matmul: y = x @ [W_0; W_1; ...]^T.
+
+    Column-parallel: `output_sizes` are the full sizes; each rank holds rows
+    [r * n / tp, (r + 1) * n / tp) of every W_i and of its bias, so for QKV (whole heads of
+    head_dim rows) its num_heads / tp query heads and num_kv_heads / tp KV heads.
+    """
 
     def __init__(
         self, input_size: int, output_sizes: dict[str | int, int], bias: bool = False
     ) -> None:
-        super().__init__(input_size, sum(output_sizes.values()), bias)
+        tp = get_tp_group()
+        local_sizes = {
+            shard_id: _split_size(size, tp.world_size, f"output shard {shard_id!r}")
+            for shard_id, size in output_sizes.items()
+        }
+        super().__init__(input_size, sum(local_sizes.values()), bias)
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
         self.shard_offsets: dict[str | int, tuple[int, int]] = {}
+        """shard id -> (offset, size) of this rank's rows in `weight`."""
         offset = 0
-        for shard_id, size in output_sizes.items():
+        for shard_id, size in local_sizes.items():
             self.shard_offsets[shard_id] = (offset, size)
             offset += size
-        self.output_sizes = list(output_sizes.values())
+        self.output_sizes = list(local_sizes.values())
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.weight_loader
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFQuantWeight,
         shard_id: str | int,
     ) -> None:
-        if isinstance(loaded_weight, GGUFQuantWeight):
-            default_weight_loader(param, loaded_weight, shard_id)
-            return
+        """Copy this rank's rows of the full HF tensor `shard_id` (weight or bias) into place."""
         offset, size = self.shard_offsets[shard_id]
-        default_weight_loader(param.data.narrow(0, offset, size), loaded_weight)
+        _check_shape(loaded_weight, (size * self.tp_size, *param.shape[1:]))
+        rank_rows = loaded_weight.narrow(0, self.tp_rank * size, size)
+        if isinstance(rank_rows, GGUFQuantWeight):
+            default_weight_loader(param, rank_rows, shard_id)
+            return
+        default_weight_loader(param.data.narrow(0, offset, size), rank_rows)
 
     def _shard_slices(self) -> dict:
         return {
@@ -140,18 +186,104 @@ class MergedLinear(Linear):
         return self.forward(x).split(self.output_sizes, dim=-1)
 
 
+class RowParallelLinear(Linear):
+    """y = x @ W^T + b where x arrives split by columns (the output of a column-parallel layer).
+
+    Each rank holds W's input columns [r * K / tp, (r + 1) * K / tp) and computes a partial y; one
+    all_reduce sums the partials. The bias (whole on every rank) joins rank 0's partial only, so
+    it is added once.
+
+    GGUF codes are split still packed when K / tp falls on 32-element groups (each group shares
+    one scale and min). Where it does not, the layer is dequantized to dense on load instead, with
+    one warning naming it, and runs the dense matmul (so no int4 kernel for that layer).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 prefix: str = "") -> None:
+        tp = get_tp_group()
+        super().__init__(_split_size(input_size, tp.world_size, "input size"), output_size, bias)
+        self.tp_group: GroupCoordinator = tp
+        self.prefix = prefix
+        """The layer's name in the checkpoint, for the dense-fallback warning."""
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFQuantWeight, shard_id=None
+    ) -> None:
+        """Copy this rank's input columns of the full [N, K] HF weight."""
+        output_size, local_k = param.shape
+        _check_shape(loaded_weight, (output_size, local_k * self.tp_group.world_size))
+        if isinstance(loaded_weight, GGUFQuantWeight) and local_k % GROUP_SIZE:
+            logger.warning(
+                "%s: %d input columns per rank split its 32-element GGUF groups; dequantized to "
+                "dense (the int4 kernel will not serve this layer)", self.prefix, local_k)
+            loaded_weight = loaded_weight.dequantize()
+        default_weight_loader(
+            param, loaded_weight.narrow(1, self.tp_group.rank_in_group * local_k, local_k))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = self._linear(x, self.bias if self.tp_group.is_first_rank else None)
+        return self.tp_group.all_reduce(partial)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """One rank's rows of a vocabulary split over the TP ranks. The vocabulary is padded with
+    zero rows up to a multiple of tp, so every rank holds the same number of rows (all_gather
+    wants equal parts); those rows are never looked up and their logits are cut off."""
+
+    vocab_size: int
+    rows_per_rank: int
+    start: int
+    """First vocabulary id of this rank."""
+
+    @classmethod
+    def for_rank(cls, vocab_size: int, tp: GroupCoordinator) -> VocabShard:
+        rows_per_rank = -(-vocab_size // tp.world_size)
+        return cls(vocab_size, rows_per_rank, tp.rank_in_group * rows_per_rank)
+
+    @property
+    def num_real_rows(self) -> int:
+        """Rows of real tokens; the rest (the last ranks' tails) are padding."""
+        return max(0, min(self.rows_per_rank, self.vocab_size - self.start))
+
+    def load(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFQuantWeight
+    ) -> None:
+        """Copy this rank's rows of the full [vocab, hidden] HF tensor; zero the padding."""
+        _check_shape(loaded_weight, (self.vocab_size, param.shape[1]))
+        rows = loaded_weight.narrow(0, self.start, self.num_real_rows)
+        if isinstance(rows, GGUFQuantWeight):
+            default_weight_loader(param, rows.pad_rows(self.rows_per_rank - self.num_real_rows))
+            return
+        default_weight_loader(param.data.narrow(0, 0, self.num_real_rows), rows)
+        param.data[self.num_real_rows :].zero_()
+
+    def gather_logits(self, local_logits: torch.Tensor, tp: GroupCoordinator) -> torch.Tensor:
+        """(N, rows_per_rank) on each rank -> (N, vocab) on every rank."""
+        logits = tp.all_gather(local_logits, dim=-1)
+        if logits.shape[-1] != self.vocab_size:
+            logits = logits[..., : self.vocab_size].contiguous()
+        return logits
+
+
 class VocabEmbedding(nn.Module):
     """Token embedding [vocab, hidden]; with `serves_as_head` also the tied output projection.
+    Split by vocabulary rows over the TP ranks (see VocabShard).
 
-    Loaded from GGUF codes in bf16, the tied head also keeps an int4-packed copy for inputs of at
-    most PACKED_MAX_ROWS rows (decode of one to a few requests), where it is ~4x faster.
+    Loaded from GGUF codes in bf16, the tied head also keeps an int4-packed copy (of this rank's
+    rows) for inputs of at most PACKED_MAX_ROWS rows (decode of one to a few requests), where it
+    is ~4x faster.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, serves_as_head: bool) -> None:
         super().__init__()
+        self.tp_group: GroupCoordinator = get_tp_group()
+        self.shard = VocabShard.for_rank(num_embeddings, self.tp_group)
         self.weight = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim), requires_grad=False
+            torch.empty(self.shard.rows_per_rank, embedding_dim), requires_grad=False
         )
+        self.weight.weight_loader = self.weight_loader
         self.serves_as_head = serves_as_head
         self.packed_head: nn.Module | None = None
         self.dense_head_above_max_rows = True
@@ -159,17 +291,33 @@ class VocabEmbedding(nn.Module):
         self.packed_head_max_rows = PACKED_MAX_ROWS
         """The compiled kernel's head stays ahead of dense bf16 further: HEAD_PACKED_MAX_ROWS."""
 
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFQuantWeight
+    ) -> None:
+        self.shard.load(param, loaded_weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        """(T,) -> (T, hidden)."""
+        if self.tp_group.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids of other ranks look up row 0 and are then zeroed: each token's row comes from
+        # exactly one rank, so the all_reduce adds only zeros to it (exact).
+        local_ids = input_ids - self.shard.start
+        elsewhere = (local_ids < 0) | (local_ids >= self.shard.rows_per_rank)
+        embeds = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
+        embeds.masked_fill_(elsewhere.unsqueeze(-1), 0)
+        return self.tp_group.all_reduce(embeds)
 
     def as_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) in the compute dtype."""
+        """(N, hidden) -> (N, vocab) in the compute dtype, the full vocabulary on every rank."""
         if self.packed_head is not None and (
             hidden_states.shape[0] <= self.packed_head_max_rows
             or not self.dense_head_above_max_rows
         ):
-            return self.packed_head(hidden_states)
-        return F.linear(hidden_states, self.weight)
+            local_logits = self.packed_head(hidden_states)
+        else:
+            local_logits = F.linear(hidden_states, self.weight)
+        return self.shard.gather_logits(local_logits, self.tp_group)
 
     def process_weights_after_loading(self, dtype: torch.dtype, quantize: str | None = None) -> None:
         """Dequantize GGUF codes into the table; for a tied head in bf16 also pack the codes (or,
@@ -189,3 +337,25 @@ class VocabEmbedding(nn.Module):
             self.packed_head = packed_weight(pending[None], dtype)
         if isinstance(self.packed_head, GroupQuantizedWeight):
             self.packed_head_max_rows = HEAD_PACKED_MAX_ROWS
+
+
+class ParallelLMHead(Linear):
+    """The untied output head [vocab, hidden], split by vocabulary rows like VocabEmbedding;
+    returns the full (N, vocab) logits on every TP rank (the sampler runs on each)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        tp = get_tp_group()
+        shard = VocabShard.for_rank(vocab_size, tp)
+        super().__init__(hidden_size, shard.rows_per_rank)
+        self.tp_group: GroupCoordinator = tp
+        self.shard = shard
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFQuantWeight
+    ) -> None:
+        self.shard.load(param, loaded_weight)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) in the compute dtype."""
+        return self.shard.gather_logits(self._linear(hidden_states, None), self.tp_group)

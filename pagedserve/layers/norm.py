@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,10 +12,12 @@ from pagedserve.kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: ModuleType | None) -> None:
+        """kernels: the compiled CPU kernels (kernels/cpu_ops.py) or None for the torch path."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.kernels = kernels
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 whatever the compute dtype, as the HF reference does; torch's fused
@@ -25,8 +29,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); residual=None means x is the residual."""
-        ops = cpu_ops.for_tensor(x)
-        if ops is not None and x.dim() == 2 and x.is_contiguous():
+        ops = self.kernels
+        if ops is not None and cpu_ops.serves(x) and x.dim() == 2 and x.is_contiguous():
             # one call instead of five ops; the same roundings (csrc/cpu_ops.cpp add_rms_norm)
             normed, residual = ops.add_rms_norm(x, residual, self.weight, self.eps)
             return normed, residual

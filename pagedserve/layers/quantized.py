@@ -63,6 +63,32 @@ class GGUFQuantWeight:
         """Rows `index` of the matrix (used to undo llama.cpp's q/k row permutation)."""
         return GGUFQuantWeight(self.qtype, self.codes[index], self.scales[index], self.mins[index])
 
+    def narrow(self, dim: int, start: int, length: int) -> GGUFQuantWeight:
+        """A tensor-parallel shard, still packed: rows (dim 0) anywhere, columns (dim 1, K) only
+        on whole 32-element groups, since each group shares one scale and min."""
+        if dim == 0:
+            return GGUFQuantWeight(self.qtype, self.codes.narrow(0, start, length),
+                                   self.scales.narrow(0, start, length),
+                                   self.mins.narrow(0, start, length))
+        assert dim == 1 and start % GROUP_SIZE == 0 and length % GROUP_SIZE == 0, (start, length)
+        group_start, num_groups = start // GROUP_SIZE, length // GROUP_SIZE
+        return GGUFQuantWeight(self.qtype, self.codes.narrow(1, start, length),
+                               self.scales.narrow(1, group_start, num_groups),
+                               self.mins.narrow(1, group_start, num_groups))
+
+    def pad_rows(self, num_rows: int) -> GGUFQuantWeight:
+        """Append num_rows rows of value 0 (code 0, scale 0, min 0): a vocabulary padded up to a
+        multiple of the tensor-parallel size."""
+        if num_rows == 0:
+            return self
+        n, k = self.shape
+        return GGUFQuantWeight(
+            self.qtype,
+            torch.cat([self.codes, self.codes.new_zeros(num_rows, k)]),
+            torch.cat([self.scales, self.scales.new_zeros(num_rows, k // GROUP_SIZE)]),
+            torch.cat([self.mins, self.mins.new_zeros(num_rows, k // GROUP_SIZE)]),
+        )
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 [N, K] (or [len(rows), K]): the slow reference, equal to gguf's dequantize."""
         codes, scales, mins = self.codes, self.scales, self.mins
@@ -231,8 +257,9 @@ class GroupQuantizedWeight(torch.nn.Module):
 
 
 def packed_weight(weight: GGUFQuantWeight, dtype: torch.dtype) -> torch.nn.Module:
-    """The fastest packed form available: the compiled kernel's, else torch's int4 kernel."""
-    ops = cpu_ops.load()
+    """The fastest packed form available: the compiled kernel's (unless the KernelConfig of the
+    model being loaded turns them off, kernels/cpu_ops.py), else torch's int4 kernel."""
+    ops = cpu_ops.for_new_layer()
     if ops is not None and dtype in (torch.float32, torch.bfloat16):
         return GroupQuantizedWeight(weight, ops)
     return Int4PackedWeight(weight, dtype)

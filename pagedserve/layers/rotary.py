@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -9,8 +11,11 @@ from pagedserve.kernels import cpu_ops
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float, dtype: torch.dtype) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float, dtype: torch.dtype,
+                 kernels: ModuleType | None) -> None:
+        """kernels: the compiled CPU kernels (kernels/cpu_ops.py) or None: no in-place rotation."""
         super().__init__()
+        self.kernels = kernels
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         positions = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)  # (P, D/2)
@@ -32,8 +37,8 @@ class RotaryEmbedding(nn.Module):
     def rotate_in_place(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> bool:
         """Rotate the first `heads` heads of each row of qkv (T, width) in place by the compiled
         kernel; False (nothing done) where it does not serve, and forward() is the way."""
-        ops = cpu_ops.for_tensor(qkv)
-        if ops is None or qkv.dim() != 2 or qkv.stride(1) != 1:
+        ops = self.kernels
+        if ops is None or not cpu_ops.serves(qkv) or qkv.dim() != 2 or qkv.stride(1) != 1:
             return False
         head_dim = self.cos_cache.shape[-1]
         ops.rotary_inplace(qkv, heads, head_dim, positions, self.cos_cache, self.signed_sin_cache)

@@ -5,28 +5,27 @@ dispatch cost was half the step. `DecoderStack` (csrc/cpu_ops.cpp) runs the same
 Python modules call for such a step, in the same order and dtypes, from C++: same output, bitwise
 (tests/kernels/test_decoder_stack.py). It applies when every projection is packed for the
 compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/8-bit files) and the
-step has at most FUSED_MAX_TOKENS tokens; anything else runs the modules.
+step has at most FUSED_MAX_TOKENS tokens; anything else runs the modules. It runs every layer
+in one call, with no all-reduce between layers and no stage boundary, so it is off under tensor or
+pipeline parallelism (the modules then run, reducing in the layers). Whether to use it at all is
+the model's KernelConfig.fused_decoder_layers (DeviceConfig; kernels/cpu_ops.py).
 """
 
 from __future__ import annotations
 
-import os
+from types import ModuleType
 
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.paged import token_rows_and_lens
-from pagedserve.kernels import cpu_ops
+from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedserve.layers.linear import PACKED_MAX_ROWS, Linear
 from pagedserve.layers.quantized import GroupQuantizedWeight
 
 FUSED_MAX_TOKENS = PACKED_MAX_ROWS
 """The modules multiply up to PACKED_MAX_ROWS rows by the packed codes (dense bf16 above), so
 the stack, which only holds the packed form, serves exactly those steps."""
-
-
-def enabled() -> bool:
-    return os.environ.get("PAGEDSERVE_FUSED_LAYERS", "1") != "0"
 
 
 def _packed_args(linear: Linear) -> tuple | None:
@@ -37,11 +36,14 @@ def _packed_args(linear: Linear) -> tuple | None:
             packed.bits, packed.activation_bits)
 
 
-def build_decoder_stack(model) -> object | None:
-    """A DecoderStack over `model` (a LlamaModel), or None where it does not apply."""
-    ops = cpu_ops.load()
+def build_decoder_stack(model, kernels: ModuleType | None) -> object | None:
+    """A DecoderStack over `model` (a LlamaModel) from `kernels` (the compiled CPU kernels), or
+    None where it does not apply."""
+    if get_tp_group().world_size > 1 or get_pp_group().world_size > 1:
+        return None
+    ops = kernels
     first = model.layers[0]
-    if ops is None or not enabled() or first.input_layernorm.weight.device.type != "cpu":
+    if ops is None or first.input_layernorm.weight.device.type != "cpu":
         return None
     attn = first.self_attn
     rotary = attn.rotary_emb

@@ -2,44 +2,84 @@
 
 q/k/v and gate/up are merged into one matmul each; the packed mapping routes the HF weights into
 their slices. Qwen2 reuses these blocks with its own biases (see qwen2.py).
+
+Parallelism lives in the layers (layers/linear.py): under tensor parallelism each rank holds
+num_heads/tp query heads and num_kv_heads/tp KV heads, its columns of the MLP and its rows of the
+vocabulary, and the layers all-reduce once after attention and once after the MLP. Under pipeline
+parallelism a stage builds only its layers [start_layer, end_layer) (see `layer_range`), the first
+stage the embedding, the last the final norm and the head; hidden states pass between stages as
+IntermediateTensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 from torch import nn
 
+from pagedserve.attention import AttentionBackend, create_attention_backend
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.metadata import get_forward_context
 from pagedserve.config import ModelConfig
+from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
+from pagedserve.kernels import cpu_ops
 from pagedserve.models.decoder_stack import (
     FUSED_MAX_TOKENS,
     build_decoder_stack,
     run_decoder_stack,
 )
 from pagedserve.layers.activation import silu_and_mul
-from pagedserve.layers.linear import Linear, MergedLinear, VocabEmbedding, default_weight_loader
+from pagedserve.layers.linear import (
+    MergedLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabEmbedding,
+    default_weight_loader,
+)
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 
+IntermediateTensors = dict[str, torch.Tensor]
+"""What a pipeline stage hands the next: "hidden_states" and "residual", each (T, hidden) in the
+compute dtype, contiguous."""
+
+
+def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The layers [start, end) of pipeline stage pp_rank: contiguous and as even as possible, the
+    remainder going one each to the first stages (the last one also runs the norm and the head)."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp_size} must be in [1, {num_layers}] "
+                         "(the number of layers)")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (pp_rank < extra)
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, local_layer_idx: int,
+                 prefix: str, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp_size = get_tp_group().world_size
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(config, name) % tp_size:
+                raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
+                                 f"{name} ({getattr(config, name)})")
+        self.num_heads = config.num_attention_heads // tp_size  # this rank's heads
+        self.num_kv_heads = config.num_key_value_heads // tp_size
         self.head_dim = config.head_dim
-        self.qk_size = config.q_size + config.kv_size
+        self.qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
         self.qkv_proj = MergedLinear(
             config.hidden_size,
             {"q": config.q_size, "k": config.kv_size, "v": config.kv_size},
             bias=config.qkv_bias,
         )
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=config.o_bias,
+                                        prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, local_layer_idx,
+                              backend)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -52,31 +92,38 @@ class LlamaAttention(nn.Module):
             qk = self.rotary_emb(positions, qkv[:, : self.qk_size].view(num_tokens, qk_heads, -1))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v)  # q: (T, H, D), k, v: (T, Hkv, D)
+        out = self.attn(q, k, v)  # q: (T, H, D), k, v: (T, Hkv, D), this rank's heads
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, prefix: str, kernels: ModuleType | None) -> None:
         super().__init__()
+        self.kernels = kernels
         self.gate_up_proj = MergedLinear(
             config.hidden_size,
             {0: config.intermediate_size, 1: config.intermediate_size},
             bias=config.mlp_bias,
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=config.mlp_bias, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def act_fn(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up, self.kernels)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, local_layer_idx: int,
+                 prefix: str, kernels: ModuleType | None, backend: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, layer_idx)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary_emb, local_layer_idx,
+                                        f"{prefix}.self_attn", backend)
+        self.mlp = LlamaMLP(config, f"{prefix}.mlp", kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -87,39 +134,82 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class LayerOnAnotherStage(nn.Module):
+    """Placeholder for a layer another pipeline stage holds: keeps `layers[i]` the HF layer i (so
+    checkpoint names need no renumbering) without parameters. Never run."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.start_layer, self.end_layer = layer_range(
+            config.num_hidden_layers, pp.rank_in_group, pp.world_size)
+        # The last stage also needs the table when it is the (tied) head.
+        needs_embedding = self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings)
         self.embed_tokens = VocabEmbedding(
             config.vocab_size, config.hidden_size, serves_as_head=config.tie_word_embeddings
-        )
+        ) if needs_embedding else None
+        # The compiled paths are decided here, once, from the KernelConfig this model is built
+        # under (DeviceConfig via load_model; kernels/cpu_ops.py): the layers hold the result.
+        kernels = cpu_ops.for_new_layer()
+        attention_backend = create_attention_backend(torch.get_default_device(), dtype, kernels)
         rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype
+            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, kernels
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, i) for i in range(config.num_hidden_layers)
+            # the attention indexes the stage's KV caches: the local layer index
+            LlamaDecoderLayer(config, rotary_emb, i - self.start_layer, f"model.layers.{i}",
+                              kernels, attention_backend)
+            if self.start_layer <= i < self.end_layer else LayerOnAnotherStage()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, kernels) if self.is_last_stage
+            else None
+        )
+        self._kernels = kernels
+        self.fused_decoder_layers = (
+            kernels is not None and cpu_ops.build_config().fused_decoder_layers
+        )
+        """Run steps of at most FUSED_MAX_TOKENS tokens as one compiled DecoderStack call where it
+        applies (models/decoder_stack.py); the profiler turns it off to time the modules."""
         self._stack: object | None | bool = False
         """The compiled DecoderStack for small steps: False until first asked, None if it does
         not apply (models/decoder_stack.py)."""
 
     def _decoder_stack(self) -> object | None:
         if self._stack is False:  # built on first use: the weights are final by then
-            self._stack = build_decoder_stack(self)
+            self._stack = build_decoder_stack(self, self._kernels)
         return self._stack
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
-    ) -> torch.Tensor:
-        """num_layers: run only the first layers, then the final norm (a self-draft's pass)."""
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        if input_ids.shape[0] <= FUSED_MAX_TOKENS and (stack := self._decoder_stack()) is not None:
-            meta = get_forward_context()
-            return run_decoder_stack(stack, hidden_states, positions, meta,
-                                     len(self.layers[:num_layers]))
-        for layer in self.layers[:num_layers]:
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None, num_layers: int | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """See LlamaForCausalLM.forward."""
+        end_layer = self.end_layer
+        if num_layers is not None:
+            assert self.is_first_stage and self.is_last_stage, "a self-draft runs in one stage"
+            end_layer = min(num_layers, end_layer)
+        if self.is_first_stage:
+            assert intermediate_tensors is None, "the first stage embeds; pass num_layers="
+            hidden_states, residual = self.embed_tokens(input_ids), None
+            stack = (
+                self._decoder_stack()
+                if self.fused_decoder_layers and input_ids.shape[0] <= FUSED_MAX_TOKENS else None
+            )
+            if stack is not None:
+                meta = get_forward_context()
+                return run_decoder_stack(stack, hidden_states, positions, meta, end_layer)
+        else:
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer : end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.is_last_stage:
+            return {"hidden_states": hidden_states.contiguous(), "residual": residual.contiguous()}
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -138,38 +228,73 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, dtype)
         self.lm_head = (
-            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+            ParallelLMHead(config.hidden_size, config.vocab_size)
+            if self.model.is_last_stage and not config.tie_word_embeddings else None
         )
 
+    @property
+    def start_layer(self) -> int:
+        """First layer this pipeline stage holds (0 without PP); its KV cache list starts here."""
+        return self.model.start_layer
+
+    @property
+    def end_layer(self) -> int:
+        """One past the last layer this stage holds: its KV caches are end_layer - start_layer."""
+        return self.model.end_layer
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
-    ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> hidden states (T, hidden). num_layers: see LlamaModel."""
-        return self.model(input_ids, positions, num_layers)
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None, num_layers: int | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions: (T,). The first stage embeds input_ids; the others start from
+        the previous stage's intermediate_tensors. The last stage returns the normed hidden states
+        (T, hidden); the others return IntermediateTensors for the next stage.
+
+        num_layers (one stage only): run only the first layers, then the final norm (a
+        self-draft's pass)."""
+        return self.model(input_ids, positions, intermediate_tensors, num_layers)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) fp32."""
+        """(N, hidden) -> (N, vocab) fp32, the whole vocabulary on every TP rank (last stage)."""
+        assert self.model.is_last_stage, "only the last pipeline stage holds the head"
         head = self.model.embed_tokens.as_head if self.lm_head is None else self.lm_head
         return head(hidden_states).float()
 
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether HF weight `name` belongs to a module this pipeline stage holds."""
+        if name.startswith("model.layers."):
+            return self.start_layer <= int(name.split(".")[2]) < self.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        if name.startswith("model.norm."):
+            return self.model.norm is not None
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named weights; every parameter must be filled exactly once."""
+        """Load HF-named weights, each parameter its own slice (TP); weights of other pipeline
+        stages are skipped. Every parameter of this rank must be filled exactly once."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
+            if not self._on_this_stage(name):
+                continue
             for hf_name, (merged_name, shard_id) in self.packed_modules_mapping.items():
                 if f".{hf_name}." in name:
                     target = name.replace(hf_name, merged_name)
-                    layer = self.get_submodule(target.rsplit(".", 1)[0])
-                    layer.weight_loader(params[target], tensor, shard_id)
+                    if target not in params:
+                        raise ValueError(f"unexpected weight {name!r}")
+                    params[target].weight_loader(params[target], tensor, shard_id)
                     loaded.add(f"{target}#{shard_id}")
                     break
             else:
                 if name not in params:
                     raise ValueError(f"unexpected weight {name!r}")
-                default_weight_loader(params[name], tensor)
+                weight_loader = getattr(params[name], "weight_loader", default_weight_loader)
+                weight_loader(params[name], tensor)
                 loaded.add(name)
         expected = set()
         for name in params:

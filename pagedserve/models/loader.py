@@ -14,13 +14,15 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from glob import glob
 from importlib.util import find_spec
 
 import torch
 
 from pagedserve.config import ModelConfig
+from pagedserve.kernels import cpu_ops
+from pagedserve.kernels.cpu_ops import KernelConfig
 from pagedserve.layers.quantized import GGUFQuantWeight
 from pagedserve.models import get_model_class
 from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
@@ -235,13 +237,22 @@ def load_model(
     device: torch.device,
     keep_packed: bool = False,
     quantize_on_load: str | None = None,
+    kernel_config: KernelConfig | None = None,
 ) -> torch.nn.Module:
     """keep_packed: also run GGUF 4/8-bit weights on their codes (bf16 on the CPU; see
-    layers/linear.py). quantize_on_load: "int4" / "int8" quantize every linear weight instead."""
-    with torch.device(device):
-        model = get_model_class(model_config.architecture)(model_config, dtype)
-    model.load_weights(iter_model_weights(model_path, dtype, keep_packed and not quantize_on_load))
-    for module in model.modules():  # pack what arrived packed, or dequantize it
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading(dtype, quantize_on_load)
+    layers/linear.py). quantize_on_load: "int4" / "int8" quantize every linear weight instead.
+    kernel_config: the compiled CPU paths the model's layers take (from DeviceConfig; None: the
+    enclosing cpu_ops.building_with scope's, by default all on); CPU devices only."""
+    if kernel_config is None:
+        kernel_config = cpu_ops.build_config()
+    if torch.device(device).type != "cpu":
+        kernel_config = replace(kernel_config, cpu_kernels=False)
+    with cpu_ops.building_with(kernel_config):  # the layers and packed weights take it once
+        with torch.device(device):
+            model = get_model_class(model_config.architecture)(model_config, dtype)
+        model.load_weights(
+            iter_model_weights(model_path, dtype, keep_packed and not quantize_on_load))
+        for module in model.modules():  # pack what arrived packed, or dequantize it
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading(dtype, quantize_on_load)
     return model.to(dtype).eval()

@@ -1,7 +1,7 @@
 """Qwen2 / Qwen2.5: the Llama block with biases on q/k/v and (usually) an untied output head.
 
 The difference is carried by ModelConfig (qkv_bias, tie_word_embeddings), so the module tree
-and the weight names are Llama's.
+and the weight names are Llama's (the q/k/v biases split over TP ranks with their weights).
 """
 
 from __future__ import annotations

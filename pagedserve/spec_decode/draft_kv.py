@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.attention.paged import kv_cache_shape
+from pagedserve.attention.kv_cache import allocate_kv_caches
 from pagedserve.core.block_pool import BlockPool, KVCacheBlock
 from pagedserve.core.kv_cache_manager import cdiv
 
@@ -43,13 +43,8 @@ class DraftKVCache:
     ) -> None:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks, enable_caching=False)
-        # Zeroed for the same reason as the target's: masked slots still pass through softmax @ V.
-        shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(num_layers, num_blocks, block_size, num_kv_heads,
+                                            head_dim, dtype, device)
         self.requests: dict[str, DraftRequestState] = {}
 
     def get_or_create(self, req_id: str) -> DraftRequestState:
@@ -74,11 +69,6 @@ class DraftKVCache:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.block_pool.free_blocks(reversed(state.blocks))
-
-    def slot(self, state: DraftRequestState, position: int) -> int:
-        return state.blocks[position // self.block_size].block_id * self.block_size + (
-            position % self.block_size
-        )
 
     @property
     def num_held_blocks(self) -> int:

@@ -30,7 +30,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from pagedserve.attention import AttentionMetadata, forward_context
+from pagedserve.attention import forward_context
+from pagedserve.attention.metadata import build_attention_metadata
 from pagedserve.config import ModelConfig
 from pagedserve.spec_decode.draft_kv import DraftKVCache, DraftRequestState
 from pagedserve.tokenizer import Tokenizer
@@ -130,45 +131,20 @@ class DraftModelProposer:
     ) -> list[int]:
         """One flat pass; chunks: (state, first position, end position) per request, one-token
         chunks first. Returns the argmax at each chunk's last position."""
-        meta = self._attention_metadata(positions, chunks)
+        meta = build_attention_metadata(
+            [(state.block_ids, start, end) for state, start, end in chunks],
+            self.kv.block_size, self.kv.kv_caches, self.device)
         device = self.device
         input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
         with forward_context(meta):
             if self.uses_layer_prefix:
-                hidden_states = self.model(input_ids_t, positions_t, self.num_layers)
+                hidden_states = self.model(input_ids_t, positions_t, num_layers=self.num_layers)
             else:
                 hidden_states = self.model(input_ids_t, positions_t)
         last = torch.tensor(meta.query_start_loc[1:], device=device) - 1
         logits = self.model.compute_logits(hidden_states[last])
         return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-
-    def _attention_metadata(
-        self, positions: list[int], chunks: list[tuple[DraftRequestState, int, int]]
-    ) -> AttentionMetadata:
-        device = self.device
-        query_start_loc = [0]
-        for _, start, end in chunks:
-            query_start_loc.append(query_start_loc[-1] + end - start)
-        slot_mapping = []
-        for state, start, end in chunks:
-            slot_mapping.extend(self.kv.slot(state, p) for p in range(start, end))
-        assert len(slot_mapping) == len(positions)
-        seq_lens = [end for _, _, end in chunks]
-        num_decodes = sum(1 for _, start, end in chunks if end - start == 1)
-        block_ids = [state.block_ids for state, _, _ in chunks]
-        max_blocks = max(len(ids) for ids in block_ids)
-        block_table = [ids + [0] * (max_blocks - len(ids)) for ids in block_ids]
-        return AttentionMetadata(
-            num_decodes=num_decodes,
-            query_start_loc=query_start_loc,
-            context_lens=[start for _, start, _ in chunks],
-            seq_lens=seq_lens,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            block_table=torch.tensor(block_table, dtype=torch.int64, device=device),
-            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64, device=device),
-            kv_caches=self.kv.kv_caches,
-        )
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -7,14 +7,15 @@ and the sampler; it knows nothing about queues, priorities or text.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.attention import AttentionMetadata, forward_context
-from pagedserve.attention.paged import kv_cache_shape
+from pagedserve.attention import forward_context
+from pagedserve.attention.layer import Attention
+from pagedserve.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from pagedserve.attention.metadata import build_attention_metadata
 from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
 from pagedserve.core.outputs import (
     GrammarOutput,
@@ -22,15 +23,17 @@ from pagedserve.core.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pagedserve.kernels import cpu_ops
-from pagedserve.models.loader import load_model
+from pagedserve.distributed import get_pp_group
 from pagedserve.sample.bitmask import apply_token_bitmask_
 from pagedserve.sample.rejection_sampler import RejectionSampler
 from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedserve.sampling_params import SamplingParams, SamplingType
 from pagedserve.spec_decode import TargetInfo, create_proposer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INTERMEDIATE_TENSOR_NAMES = ("hidden_states", "residual")
+"""What a pipeline stage hands the next one (see models/llama.py)."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -46,72 +49,57 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-def usable_cpu_count() -> int:
-    """CPUs this process may run on (taskset / cgroup cpusets narrow it). torch's default counts
-    every core of the machine, and more threads than usable cores stall each other badly."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def kv_cache_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_hidden_layers * block_size * model.kv_size * element_size
-
-
 class ModelRunner:
     def __init__(
         self,
-        model_path: str,
+        model: torch.nn.Module,
         model_config: ModelConfig,
         cache_config: CacheConfig,
         device_config: DeviceConfig,
-        model: torch.nn.Module | None = None,
+        device: torch.device,
         speculative_config: SpeculativeConfig | None = None,
     ) -> None:
-        """model: an already loaded model to share (it holds no per-engine state).
-        speculative_config: propose draft tokens after each step (None: no speculation)."""
+        """model: loaded, possibly shared with other engines (it holds no per-engine state) and
+        possibly one rank's shard. speculative_config: propose draft tokens after each step
+        (None: no speculation). The KV cache comes later: initialize_kv_cache."""
+        self.model = model
         self.model_config = model_config
+        self.device_config = device_config
+        self.speculative_config = speculative_config
         self.block_size = cache_config.block_size
-        self.device = torch.device(device_config.device)
-        self.dtype = _DTYPES[device_config.dtype]
-        if self.device.type == "cpu":
-            torch.set_num_threads(device_config.num_threads or usable_cpu_count())
-            cpu_ops.load()  # build (once per machine) now, not inside the first request
-        # Unseeded requests draw from the global generator: seed it so a run is repeatable.
-        torch.manual_seed(device_config.seed)
-
-        self.model = model or load_model(
-            model_path, model_config, self.dtype, self.device,
-            device_config.keeps_weights_packed, device_config.quantize_on_load,
-        )
-
-        bytes_per_block = kv_cache_bytes_per_block(model_config, self.block_size, self.dtype)
-        self.num_kv_blocks = cache_config.num_gpu_blocks_override or max(
-            2, cache_config.kv_cache_memory_bytes // bytes_per_block
-        )
-        # Zeroed, not empty: masked positions still pass through softmax @ V, and a NaN there
-        # would poison the row (0 * NaN = NaN).
-        shape = kv_cache_shape(self.num_kv_blocks, self.block_size,
-                               model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(model_config.num_hidden_layers)
-        ]
-
+        self.device = device
+        self.dtype = DTYPES[device_config.dtype]
+        # The attention layers of this rank's model: a pipeline stage holds some of the layers,
+        # a tensor-parallel rank some of the KV heads of each.
+        attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.num_local_layers = len(attention_layers)
+        self.num_local_kv_heads = attention_layers[0].num_kv_heads if attention_layers else 0
+        self.pp_group = get_pp_group()
+        self._pending_sends: list = []
+        self._sent_tensors: list[torch.Tensor] = []
+        """Hidden states sent to the next pipeline stage, kept alive until the send is done."""
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.proposer = None
-        if speculative_config is not None:
-            self.proposer = create_proposer(speculative_config, TargetInfo(
-                self.model, model_config, self.num_kv_blocks, self.block_size, self.dtype,
-                self.device, device_config.keeps_weights_packed, device_config.quantize_on_load,
-            ))
         self.requests: dict[str, CachedRequestState] = {}
+
+    @property
+    def kv_cache_bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_block(self.num_local_layers, self.num_local_kv_heads,
+                                        self.model_config.head_dim, self.block_size, self.dtype)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate this rank's share of the paged KV cache (and the draft's, if any)."""
+        self.kv_caches = allocate_kv_caches(
+            self.num_local_layers, num_blocks, self.block_size, self.num_local_kv_heads,
+            self.model_config.head_dim, self.dtype, self.device)
+        if self.speculative_config is not None:
+            self.proposer = create_proposer(self.speculative_config, TargetInfo(
+                self.model, self.model_config, num_blocks, self.block_size, self.dtype,
+                self.device, self.device_config.keeps_weights_packed,
+                self.device_config.quantize_on_load,
+            ))
 
     # ---- state sync -------------------------------------------------------------------------
 
@@ -134,12 +122,21 @@ class ModelRunner:
                 output_token_ids=list(data.token_ids[data.num_prompt_tokens :]),
             )
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        for req_id, new_block_ids, num_computed, new_token_ids in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+            cached.new_token_ids,
         ):
             state = self.requests[req_id]
             state.block_ids.extend(new_block_ids)
             state.num_computed_tokens = num_computed
+            # A rank that samples has these tokens already; another pipeline stage learns them
+            # here. | known to this rank | new_token_ids[missing:] |
+            first_new = max(num_computed, state.num_prompt_tokens)
+            missing = len(state.token_ids) - first_new
+            assert missing >= 0, f"{req_id}: the runner lost track of its tokens"
+            if missing < len(new_token_ids):
+                state.token_ids.extend(new_token_ids[missing:])
+                state.output_token_ids.extend(new_token_ids[missing:])
 
     def release_requests(self, req_ids: Iterable[str]) -> None:
         """Drop finished, aborted or preempted requests' state (and their draft KV)."""
@@ -151,7 +148,9 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's sampled tokens; None on a pipeline stage before the last, which hands its
+        hidden states to the next stage instead."""
         self._update_states(scheduler_output)
         grammar_output = scheduler_output.grammar
         if scheduler_output.is_empty:
@@ -166,9 +165,6 @@ class ModelRunner:
 
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        bs = self.block_size
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for state, num_tokens in zip(states, num_scheduled):
             start = state.num_computed_tokens
@@ -176,32 +172,24 @@ class ModelRunner:
             drafts = spec_tokens.get(state.req_id, [])
             input_ids.extend(state.token_ids[start : start + num_tokens - len(drafts)])
             input_ids.extend(drafts)
-            span = range(start, start + num_tokens)
-            positions.extend(span)
-            block_ids = state.block_ids
-            slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in span)
-            query_start_loc.append(query_start_loc[-1] + num_tokens)
-        context_lens = [s.num_computed_tokens for s in states]
-        seq_lens = [c + n for c, n in zip(context_lens, num_scheduled)]
-        num_decodes = sum(1 for n in num_scheduled if n == 1)
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
+            positions.extend(range(start, start + num_tokens))
 
         device = self.device
-        meta = AttentionMetadata(
-            num_decodes=num_decodes,
-            query_start_loc=query_start_loc,
-            context_lens=context_lens,
-            seq_lens=seq_lens,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            block_table=torch.tensor(block_table, dtype=torch.int64, device=device),
-            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64, device=device),
-            kv_caches=self.kv_caches,
-        )
+        meta = build_attention_metadata(
+            [(s.block_ids, s.num_computed_tokens, s.num_computed_tokens + n)
+             for s, n in zip(states, num_scheduled)],
+            self.block_size, self.kv_caches, device)
+        query_start_loc = meta.query_start_loc
         input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        intermediate_tensors = self._receive_intermediate(len(input_ids))
         with forward_context(meta):
-            hidden_states = self.model(input_ids_t, positions_t)
+            hidden_states = self.model(input_ids_t, positions_t, intermediate_tensors)
+        if not self.pp_group.is_last_rank:
+            for state, num_tokens in zip(states, num_scheduled):
+                state.num_computed_tokens += num_tokens
+            self._send_intermediate(hidden_states)
+            return None
 
         output = ModelRunnerOutput()
         self._compute_prompt_logprobs(states, num_scheduled, query_start_loc, hidden_states, output)
@@ -246,6 +234,28 @@ class ModelRunner:
                 {req_id: self.requests[req_id].token_ids for req_id in output.sampled_token_ids}
             )
         return output
+
+    # ---- pipeline stages --------------------------------------------------------------------
+
+    def _receive_intermediate(self, num_tokens: int) -> dict[str, torch.Tensor] | None:
+        """On a stage after the first: the previous stage's hidden states and residual for this
+        step's tokens, (T, hidden) each (the shapes follow from the step, so none are sent)."""
+        if self.pp_group.is_first_rank:
+            return None
+        shape = (num_tokens, self.model_config.hidden_size)
+        tensors = {name: torch.empty(shape, dtype=self.dtype, device=self.device)
+                   for name in INTERMEDIATE_TENSOR_NAMES}
+        self.pp_group.recv(list(tensors.values()), self.pp_group.prev_rank)
+        return tensors
+
+    def _send_intermediate(self, intermediate_tensors: dict[str, torch.Tensor]) -> None:
+        """Start sending to the next stage and return: this stage moves on to the next micro-batch
+        while the send completes (the previous one is finished first, so at most one is open)."""
+        for work in self._pending_sends:
+            work.wait()
+        tensors = [intermediate_tensors[name].contiguous() for name in INTERMEDIATE_TENSOR_NAMES]
+        self._pending_sends = self.pp_group.send(tensors, self.pp_group.next_rank)
+        self._sent_tensors = tensors  # alive until the send completes
 
     def _apply_grammar_bitmask(
         self,

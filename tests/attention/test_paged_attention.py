@@ -1,8 +1,8 @@
 """The fast paged attention against the token-by-token reference, on a mixed batch.
 
 Random caches, scattered (non-contiguous) block tables, decodes and prefill chunks with and
-without earlier context, GQA. Every test runs twice: with the compiled CPU kernel (which takes
-decodes and steps of up to KERNEL_MAX_TOKENS tokens) and with the plain-torch path alone.
+without earlier context, GQA. Every test runs twice: on the compiled CPU kernels' backend (which
+takes decodes and steps of up to KERNEL_MAX_TOKENS tokens) and on the plain-torch backend.
 """
 
 from __future__ import annotations
@@ -12,30 +12,34 @@ import random
 import pytest
 import torch
 
-from pagedserve.attention import paged as paged_module
+from pagedserve.attention import AttentionBackend, create_attention_backend
+from pagedserve.attention.cpu_kernel_backend import CpuKernelAttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.paged import (
-    PREFILL_QUERY_BLOCK,
-    kv_cache_shape,
-    paged_attention,
-    write_kv,
-)
+from pagedserve.attention.kv_cache import kv_cache_shape
+from pagedserve.attention.paged import PREFILL_QUERY_BLOCK, TorchAttentionBackend
 from pagedserve.attention.reference import reference_paged_attention
+from pagedserve.kernels import cpu_ops
 
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(autouse=True, params=["kernel", "torch"])
-def attention_path(request, monkeypatch):
+@pytest.fixture(params=["kernel", "torch"])
+def backend(request) -> AttentionBackend:
     if request.param == "torch":
-        monkeypatch.setattr(paged_module.cpu_ops, "for_tensor", lambda *args, **kwargs: None)
-    elif paged_module.cpu_ops.load() is None:
+        backend = create_attention_backend("cpu", torch.float32, None)
+        assert isinstance(backend, TorchAttentionBackend)
+        return backend
+    kernels = cpu_ops.load()
+    if kernels is None:
         pytest.skip("the compiled CPU kernels are unavailable here")
-    return request.param
+    backend = create_attention_backend("cpu", torch.float32, kernels)
+    assert isinstance(backend, CpuKernelAttentionBackend)
+    return backend
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 
 
-def build_batch(query_lens, context_lens, num_blocks=64, seed=0):
+def build_batch(backend, query_lens, context_lens, num_blocks=64, seed=0):
     num_blocks = max(num_blocks, 2 + sum(-(-(q + c) // BLOCK_SIZE) for q, c in zip(query_lens, context_lens)))
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -67,7 +71,7 @@ def build_batch(query_lens, context_lens, num_blocks=64, seed=0):
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+    backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
     return q, key_cache, value_cache, meta
 
 
@@ -83,17 +87,17 @@ def build_batch(query_lens, context_lens, num_blocks=64, seed=0):
         ([2 * PREFILL_QUERY_BLOCK + 5], [37]),
     ],
 )
-def test_fast_matches_reference(query_lens, context_lens):
-    q, key_cache, value_cache, meta = build_batch(query_lens, context_lens)
+def test_fast_matches_reference(backend, query_lens, context_lens):
+    q, key_cache, value_cache, meta = build_batch(backend, query_lens, context_lens)
     expected = reference_paged_attention(q, key_cache, value_cache, meta)
-    actual = paged_attention(q, key_cache, value_cache, meta)
+    actual = backend.forward(q, key_cache, value_cache, meta)
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_write_kv_lands_in_the_slots_the_table_names():
-    q, key_cache, value_cache, meta = build_batch([1, 3], [6, 2])
+def test_write_kv_lands_in_the_slots_the_table_names(backend):
+    q, key_cache, value_cache, meta = build_batch(backend, [1, 3], [6, 2])
     k = torch.randn(4, NUM_KV_HEADS, HEAD_DIM)
-    write_kv(key_cache, value_cache, k, k, meta.slot_mapping)
+    backend.write_kv(key_cache, value_cache, k, k, meta.slot_mapping)
     block_table = meta.block_table.tolist()
     # row 1 has 2 tokens of context and 3 new ones: batch tokens 1..3 go to positions 2..4
     for j, pos in enumerate(range(2, 5), start=1):
@@ -101,31 +105,31 @@ def test_write_kv_lands_in_the_slots_the_table_names():
         torch.testing.assert_close(key_cache[:, block, pos % BLOCK_SIZE], k[j])
 
 
-def test_decode_mask_ignores_stale_blocks_past_the_sequence():
+def test_decode_mask_ignores_stale_blocks_past_the_sequence(backend):
     """Padded block-table entries (block 0) and stale slots past seq_len must not leak in."""
-    q, key_cache, value_cache, meta = build_batch([1, 1], [2, 40])
-    expected = paged_attention(q, key_cache, value_cache, meta)
+    q, key_cache, value_cache, meta = build_batch(backend, [1, 1], [2, 40])
+    expected = backend.forward(q, key_cache, value_cache, meta)
     key_cache[:, 0].fill_(1e4)  # the null block the short request's table is padded with
-    torch.testing.assert_close(paged_attention(q, key_cache, value_cache, meta), expected)
+    torch.testing.assert_close(backend.forward(q, key_cache, value_cache, meta), expected)
 
 
-def test_bf16_matches_reference_within_bf16_rounding():
+def test_bf16_matches_reference_within_bf16_rounding(backend):
     """The bf16 path computes decode scores in bf16 (see _decode_attention): bound the error."""
-    q, key_cache, value_cache, meta = build_batch([1, 1, 1, 20], [7, 100, 33, 40])
+    q, key_cache, value_cache, meta = build_batch(backend, [1, 1, 1, 20], [7, 100, 33, 40])
     expected = reference_paged_attention(q, key_cache, value_cache, meta)
-    actual = paged_attention(
+    actual = backend.forward(
         q.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), meta
     ).float()
     torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)
 
 
 @pytest.mark.parametrize("query_lens,context_lens", [([1, 300], [40, 0]), ([200, 70], [37, 500])])
-def test_bf16_prefill_chunks_match_reference(query_lens, context_lens):
+def test_bf16_prefill_chunks_match_reference(backend, query_lens, context_lens):
     """Long bf16 chunks: on the CPU the flash-style prefill kernel (probabilities rounded to bf16
     before the value product, as a bf16 matmul would), else the torch matmuls."""
-    q, key_cache, value_cache, meta = build_batch(query_lens, context_lens)
+    q, key_cache, value_cache, meta = build_batch(backend, query_lens, context_lens)
     expected = reference_paged_attention(q, key_cache, value_cache, meta)
-    actual = paged_attention(
+    actual = backend.forward(
         q.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), meta
     ).float()
     torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)

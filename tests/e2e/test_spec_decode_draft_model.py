@@ -24,7 +24,7 @@ SELF_DRAFT = {"method": "draft_model", "model": "self", "draft_num_layers": 26,
 
 
 def draft_kv(llm):
-    return llm.engine.model_runner.proposer.kv
+    return llm.engine.executor.worker.model_runner.proposer.kv
 
 
 def test_greedy_with_self_draft_equals_greedy_without(make_llm, tokenizer):
@@ -79,7 +79,7 @@ def test_draft_kv_tracks_the_target_through_random_accepts_rejects_and_aborts(ma
     consistent, and each request's draft KV holds exactly its tokens so far plus the guesses it
     fed itself (d0 .. d(k-2)). Aborting requests midway frees their draft KV."""
     llm = make_llm(speculative_config=SELF_DRAFT, max_num_batched_tokens=128, max_num_seqs=8)
-    engine, runner = llm.engine, llm.engine.model_runner
+    engine, runner = llm.engine, llm.engine.executor.worker.model_runner
     proposer = runner.proposer
     proposals: dict[str, list[int]] = {}
     original_propose = proposer.propose_batch

@@ -38,7 +38,7 @@ def qwen_target(qwen_paths):
 
     from pagedserve.models.loader import load_model_config
     from pagedserve.tokenizer import Tokenizer
-    from pagedserve.worker.model_runner import load_model
+    from pagedserve.models.loader import load_model
 
     path = qwen_paths[0]
     model = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"))

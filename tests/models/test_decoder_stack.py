@@ -31,6 +31,13 @@ def _generate(llm, prompts, max_tokens=24):
     ]
 
 
+def _modules_only(llm, monkeypatch) -> None:
+    """Turn the stack off for `llm`'s model: every step runs the Python modules."""
+    model = llm.engine.executor.worker.model_runner.model.model  # the LlamaModel
+    assert model.fused_decoder_layers
+    monkeypatch.setattr(model, "fused_decoder_layers", False)
+
+
 @pytest.fixture
 def stack_calls(monkeypatch) -> list[int]:
     """The number of tokens of every step the decoder stack runs."""
@@ -49,7 +56,7 @@ def test_stack_equals_modules(make_llm, monkeypatch, stack_calls, num_prompts):
     prompts = PARITY_PROMPTS[:num_prompts]
     fused = _generate(llm, prompts)
     assert calls and max(calls) <= llama_module.FUSED_MAX_TOKENS  # the stack ran the decodes
-    monkeypatch.setattr(llama_module, "FUSED_MAX_TOKENS", 0)
+    _modules_only(llm, monkeypatch)
     calls.clear()
     plain = _generate(llm, prompts)
     assert not calls
@@ -64,7 +71,7 @@ def test_stack_equals_modules_in_speculative_steps(make_llm, monkeypatch, stack_
              "<|im_end|>\n<|im_start|>assistant\n"
     fused = _generate(llm, [prompt], max_tokens=40)
     assert any(n > 1 for n in calls)  # verification steps (1 + drafts tokens) ran fused
-    monkeypatch.setattr(llama_module, "FUSED_MAX_TOKENS", 0)
+    _modules_only(llm, monkeypatch)
     assert _generate(llm, [prompt], max_tokens=40) == fused
 
 
@@ -85,6 +92,6 @@ def test_stack_equals_modules_on_qwen(monkeypatch, stack_calls):
                "<|im_start|>assistant\n", "def fibonacci(n):"]
     fused = _generate(llm, prompts)
     assert stack_calls
-    monkeypatch.setattr(llama_module, "FUSED_MAX_TOKENS", 0)
+    _modules_only(llm, monkeypatch)
     assert _generate(llm, prompts) == fused
     llm.engine.assert_idle()

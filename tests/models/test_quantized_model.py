@@ -71,11 +71,11 @@ def _perplexity(llm, token_ids: list[int]) -> float:
 
 def test_default_bf16_engine_holds_both_forms(make_llm):
     llm = make_llm(dtype="bfloat16")  # quantization="auto" is the default
-    model = llm.engine.model_runner.model
+    model = llm.engine.executor.worker.model_runner.model
     gate_up = model.model.layers[0].mlp.gate_up_proj
     assert gate_up.packed is not None and gate_up.weight is not None
     assert model.model.embed_tokens.packed_head is not None  # tied Q8_0 head, int4 split
-    assert make_llm(dtype="float32").engine.model_runner.model.model.layers[0].mlp.gate_up_proj \
+    assert make_llm(dtype="float32").engine.executor.worker.model_runner.model.model.layers[0].mlp.gate_up_proj \
         .packed is None
 
 
@@ -145,7 +145,7 @@ def test_quantize_on_load_perplexity(make_llm, tokenizer, scheme):
     token_ids = tokenizer.encode(TEXT)
     reference = _perplexity(make_llm(dtype="float32"), token_ids)
     llm = make_llm(dtype="bfloat16", quantization=scheme)
-    layer = llm.engine.model_runner.model.model.layers[0]
+    layer = llm.engine.executor.worker.model_runner.model.model.layers[0]
     assert layer.mlp.down_proj.weight is None and layer.mlp.down_proj.packed is not None
     quantized = _perplexity(llm, token_ids)
     print(f"\nperplexity over {len(token_ids)} tokens: fp32 {reference:.4f}, {scheme} {quantized:.4f}")

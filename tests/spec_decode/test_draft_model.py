@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from pagedserve.attention.metadata import slot_mapping_of
 from pagedserve.config import SpeculativeConfig
 from pagedserve.engine.arg_utils import parse_speculative_config
 from pagedserve.sampling_params import SamplingParams
@@ -71,7 +72,7 @@ def test_draft_kv_pool_reserves_frees_and_refuses_when_short():
     assert not kv.reserve("b", 5)  # needs 2, 1 left: nothing taken
     assert kv.num_held_blocks == 3 and kv.requests["b"].blocks == []
     state = kv.requests["a"]
-    assert [kv.slot(state, p) for p in (0, 3, 4, 11)] == [
+    assert [slot_mapping_of(state.block_ids, p, p + 1, 4)[0] for p in (0, 3, 4, 11)] == [
         state.blocks[0].block_id * 4, state.blocks[0].block_id * 4 + 3,
         state.blocks[1].block_id * 4, state.blocks[2].block_id * 4 + 3]
     kv.check_integrity()

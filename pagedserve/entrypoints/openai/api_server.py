@@ -32,6 +32,8 @@ import pagedserve
 from pagedserve.engine.arg_utils import EngineArgs, parse_size
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.executor import ExecutorError
+from pagedserve.executor.multiproc import run_headless
 from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.errors import (
     APIError,
@@ -282,8 +284,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if async_llm.errored:
-            raise APIError(500, "the engine has failed", code="engine_dead")
+        if async_llm.errored:  # 503: a load balancer takes this replica out at once
+            raise APIError(503, "the engine has failed", code="engine_dead")
         if state.draining or async_llm.is_draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         return Response(status_code=200)
@@ -438,22 +440,40 @@ async def serve_app(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> 
                                     log_level=config.log_level,
                                     timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT)
     server = _DrainingServer(uvicorn_config, drain)
+
+    async def exit_when_engine_dies() -> None:
+        while not async_llm.errored:
+            await asyncio.sleep(0.1)
+        # A grace period: open streams get their error event, health checks see the 503.
+        logger.error("the engine failed: the server exits in %.0f s", ENGINE_DEAD_EXIT_DELAY_S)
+        await asyncio.sleep(ENGINE_DEAD_EXIT_DELAY_S)
+        server.should_exit = True
+
+    watchdog = asyncio.create_task(exit_when_engine_dies())
     try:
         await server.serve()
     finally:
+        watchdog.cancel()
         if not drained:
             # Forced exit (or a failed start): abort everything and stop the engine thread.
             state.draining = True
             await async_llm.shutdown(drain_timeout=0)
-    return not server.force_exit
+    return not server.force_exit and not async_llm.errored
+
+
+ENGINE_DEAD_EXIT_DELAY_S = 2.0
+"""After the engine fails (a worker died), the server answers 503 this long, then exits 1."""
 
 
 def run_server(args: argparse.Namespace) -> int:
     """Load the engine named by `args` and serve it; returns the exit code."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.headless:
+        return run_headless(engine_args.create_parallel_config())
     config = ServerConfig.from_cli_args(args)
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = LLMEngine.from_engine_args(engine_args)
     speculative = engine.config.speculative
     stat_logger = PrometheusStatLogger(
         config.served_model_name, max_model_len=engine.config.scheduler.max_model_len,
@@ -483,6 +503,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        default=ServerConfig.max_request_body_bytes, help="e.g. 8MiB; larger: 413")
     group.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                        help="seconds running requests get to finish after SIGTERM")
+    group.add_argument("--headless", action="store_true",
+                       help="run only this node's workers of a multi-node engine (node 1 and "
+                            "later: --nnodes, --node-rank, --master-addr, --master-port); no API")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
 
@@ -494,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run_server(args)
-    except ValueError as error:
+    except (ValueError, ExecutorError) as error:  # bad flags, or workers that failed to start
         print(f"pagedserve serve: error: {error}", file=sys.stderr)
         return 2
 

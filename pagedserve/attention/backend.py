@@ -1,0 +1,38 @@
+"""The interface every attention backend implements: store a step's K/V, attend over the cache.
+
+A backend is chosen once per model from the device, the compute dtype and the kernel flag
+(`create_attention_backend` in attention/__init__.py) and held by every Attention layer; it keeps
+no per-step state of its own (what a step shares across layers lives in meta.backend_state).
+
+  TorchAttentionBackend      attention/paged.py: plain torch matmuls, any device; the fast
+                             reference the kernels are tested against.
+  CpuKernelAttentionBackend  attention/cpu_kernel_backend.py: the compiled CPU kernels
+                             (csrc/cpu_ops.cpp), falling back to the torch paths per step shape.
+
+attention/reference.py stays the slow token-by-token reference for both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def write_kv(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store this step's K/V (T, Hkv, D) at their slots; done for the whole batch before any
+        attention reads, so a request may read blocks another request of the same step writes."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: (T, H, D) -> (T, H, D), reading every request's context from the cache."""

@@ -1,0 +1,65 @@
+"""The engine's only door to the data plane: an Executor runs each step on one or more workers.
+
+    engine --SchedulerOutput--> executor --> worker(s) --ModelRunnerOutput--> engine
+
+Two implementations: `UniProcExecutor` (one worker in the engine's process, today's behaviour)
+and `MultiprocExecutor` (one process per rank, torch.distributed between them). `submit` returns
+a future so a pipeline of stages can hold several micro-batches at once.
+"""
+
+from __future__ import annotations
+
+import abc
+from concurrent.futures import Future
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorError(RuntimeError):
+    """A worker died or failed a step: the data plane is gone and the engine must stop."""
+
+
+class Executor(abc.ABC):
+    max_concurrent_batches: int = 1
+    """Steps that may be in flight at once (the pipeline's stages)."""
+
+    @staticmethod
+    def create(config: EngineConfig, model=None) -> Executor:
+        """model: an already loaded model to share (one process only)."""
+        if config.parallel.world_size == 1:
+            from pagedserve.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor(config, model)
+        if model is not None:
+            raise ValueError("a shared, already loaded model needs world size 1")
+        from pagedserve.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+
+    @abc.abstractmethod
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks every rank can hold (the smallest over the ranks)."""
+
+    @abc.abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abc.abstractmethod
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start one step; the future fails with ExecutorError if a worker fails."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit(scheduler_output).result()
+
+    @abc.abstractmethod
+    def check_idle(self) -> list[str]:
+        """What the workers still hold for requests: empty when idle (tests assert it)."""
+
+    @property
+    def is_failed(self) -> bool:
+        """True once a worker died or failed: nothing more can run."""
+        return False
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and release what they hold; safe to call twice."""

@@ -1,0 +1,109 @@
+"""The control messages between a multi-process executor and its worker processes.
+
+Each crosses a socket as one length-prefixed msgpack frame (serialization.py): typed dataclasses,
+one per call, never pickled. A worker answers a call with `WorkerReply` or, when the call raised,
+`WorkerFailure`; only the output rank answers `ExecuteModel`, and other ranks only if they fail.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve import config as config_module
+from pagedserve.core.outputs import SchedulerOutput
+from pagedserve.executor import serialization
+
+
+@dataclass
+class Hello:
+    """A worker's first frame: which rank dialled in."""
+
+    rank: int
+
+
+@dataclass
+class InitWorker:
+    """Join the process groups, load the model shard, then reply (the first call after Hello)."""
+
+    config: config_module.EngineConfig
+    distributed_init_method: str
+
+
+@dataclass
+class DetermineNumKVBlocks:
+    pass
+
+
+@dataclass
+class InitializeKVCache:
+    num_blocks: int
+
+
+@dataclass
+class ExecuteModel:
+    scheduler_output: SchedulerOutput
+
+
+@dataclass
+class CheckIdle:
+    pass
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class WorkerReply:
+    value: Any = None
+
+
+@dataclass
+class WorkerFailure:
+    rank: int
+    message: str
+
+
+for _cls in (Hello, InitWorker, DetermineNumKVBlocks, InitializeKVCache, ExecuteModel, CheckIdle,
+             Shutdown, WorkerReply, WorkerFailure, config_module.EngineConfig,
+             config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
+             config_module.DeviceConfig, config_module.SpeculativeConfig,
+             config_module.StructuredOutputConfig, config_module.ParallelConfig):
+    serialization.register(_cls)
+
+_HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 1 << 30
+"""A frame longer than this is a corrupt stream, not a message."""
+
+
+def encode_frame(message: Any) -> bytes:
+    """A message as one frame: sent with sock.sendall, to several workers after one encode."""
+    payload = serialization.encode(message)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def send_message(sock: socket.socket, message: Any) -> None:
+    sock.sendall(encode_frame(message))
+
+
+def recv_message(sock: socket.socket) -> Any:
+    """The next message; raises ConnectionError when the peer has gone."""
+    (length,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
+    if length > MAX_FRAME_BYTES:
+        raise ConnectionError(f"frame of {length} bytes: the stream is corrupt")
+    return serialization.decode(_recv_exactly(sock, length))
+
+
+def _recv_exactly(sock: socket.socket, num_bytes: int) -> bytes:
+    buffer = bytearray(num_bytes)
+    view, received = memoryview(buffer), 0
+    while received < num_bytes:
+        count = sock.recv_into(view[received:], num_bytes - received)
+        if count == 0:
+            raise ConnectionError("the peer closed the connection")
+        received += count
+    return bytes(buffer)

@@ -1,0 +1,37 @@
+"""One worker in the engine's own process: no serialization, no process groups."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.executor.abstract import Executor
+from pagedserve.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, model=None) -> None:
+        self.worker = Worker(config, model=model)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.worker.determine_num_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        future: Future[ModelRunnerOutput] = Future()
+        future.set_result(self.execute_model(scheduler_output))
+        return future
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def check_idle(self) -> list[str]:
+        return self.worker.check_idle()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,142 @@
+"""One rank of the data plane: its device, CPU cores, threads and seed, its process groups, its
+shard of the model, its share of the KV cache, and the runner that executes steps on them.
+
+The executor drives workers through these calls only (init_device, load_model,
+determine_num_kv_blocks, initialize_kv_cache, execute_model, check_idle, shutdown); nothing here
+knows about queues, requests' text or how the executor reaches it (same process or a socket).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.distributed import parallel_state
+from pagedserve.distributed.cpu_binding import bind_to_cpus, cpu_share, usable_cpus
+from pagedserve.kernels import cpu_ops
+from pagedserve.models.loader import load_model
+from pagedserve.worker.model_runner import DTYPES, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        """rank: global rank (pp_rank * tp_size + tp_rank); local_rank: its index on this node.
+        distributed_init_method: "tcp://addr:port" of the rendezvous (world_size > 1 only).
+        model: an already loaded model to share (one process only; tests build many engines)."""
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.model = model
+        self.model_runner: ModelRunner | None = None
+        self.device = torch.device(config.device.device)
+
+    # ---- start-up ---------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        """Pin CPUs and set threads, seed the random stream, join the process groups."""
+        device_config, parallel = self.config.device, self.config.parallel
+        distributed = parallel.world_size > 1
+        if self.device.type == "cpu":
+            num_threads = device_config.num_threads
+            if distributed and parallel.cpu_binding == "auto":
+                cpus = cpu_share(usable_cpus(), self.local_rank, parallel.local_world_size)
+                bind_to_cpus(cpus)
+                logger.info("rank %d pinned to CPUs %s", self.rank, cpus)
+            torch.set_num_threads(num_threads or len(usable_cpus()))
+            if device_config.cpu_kernels:
+                cpu_ops.load()  # build (once per machine) now, not inside the first request
+        elif self.device.type == "cuda" and distributed:
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        # Unseeded requests draw from the global generator: seed it so a run is repeatable. Every
+        # tensor-parallel rank seeds alike, so they all sample the same tokens.
+        torch.manual_seed(device_config.seed)
+        if distributed:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            parallel_state.init_distributed_environment(
+                parallel.world_size, self.rank, self.distributed_init_method, backend)
+            parallel_state.initialize_model_parallel(
+                parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                shm_name=self._shm_name())
+
+    def _shm_name(self) -> str | None:
+        """A name for the TP group's shared-memory all-reduce, or None where gloo/NCCL must
+        serve: on CUDA, or when a TP group spans nodes (ranks are node-major, TP groups
+        consecutive, so a group is node-local when whole groups fit in one node)."""
+        parallel = self.config.parallel
+        if self.device.type != "cpu" or parallel.local_world_size % parallel.tensor_parallel_size:
+            return None
+        # The rendezvous address names this engine uniquely on the node.
+        digest = hashlib.sha1(self.distributed_init_method.encode()).hexdigest()[:12]
+        return f"pagedserve-{digest}"
+
+    def load_model(self) -> None:
+        config = self.config
+        if self.model is None:
+            self.model = load_model(
+                config.model_path, config.model, DTYPES[config.device.dtype], self.device,
+                config.device.keeps_weights_packed, config.device.quantize_on_load,
+                self._kernel_config(),
+            )
+        self.model_runner = ModelRunner(
+            self.model, config.model, config.cache, config.device, self.device,
+            speculative_config=config.speculative,
+        )
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks this rank's KV memory budget holds (each block: its layers and KV heads)."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override:
+            return cache.num_gpu_blocks_override
+        return max(2, cache.kv_cache_memory_bytes // self.model_runner.kv_cache_bytes_per_block)
+
+    def _kernel_config(self) -> cpu_ops.KernelConfig:
+        device = self.config.device
+        return cpu_ops.KernelConfig(device.cpu_kernels, device.fused_decoder_layers)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        with cpu_ops.building_with(self._kernel_config()):  # a separate draft model loads here
+            self.model_runner.initialize_kv_cache(num_blocks)
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose step results go back to the engine: tensor rank 0 of the last stage
+        (every tensor rank of that stage samples the same tokens)."""
+        return (parallel_state.get_tp_group().is_first_rank
+                and parallel_state.get_pp_group().is_last_rank)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        output = self.model_runner.execute_model(scheduler_output)
+        return output if self.is_output_rank else None
+
+    def check_idle(self) -> list[str]:
+        """What this rank still holds for requests (empty when idle)."""
+        runner, problems = self.model_runner, []
+        if runner.requests:
+            problems.append(f"{len(runner.requests)} runner request states left")
+        if runner.proposer is not None:
+            runner.proposer.check_integrity()
+            if runner.proposer.num_requests:
+                problems.append(f"the proposer holds state (draft KV) of "
+                                f"{runner.proposer.num_requests} requests")
+        return problems
+
+    def shutdown(self) -> None:
+        if self.config.parallel.world_size > 1:
+            parallel_state.destroy_model_parallel()
