@@ -322,6 +322,9 @@ class ParallelConfig:
                     f"tensor_parallel_size {tp} does not divide the model's {name} ({count}); "
                     f"sizes that split its heads evenly: {valid}"
                 )
+        if model.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
+                             f"intermediate_size ({model.intermediate_size})")
         if self.pipeline_parallel_size > model.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} exceeds the "
                              f"model's {model.num_hidden_layers} layers")

@@ -71,14 +71,17 @@ def test_equal_schemas_share_a_key():
 
 def test_cache_is_lru_bounded_and_compiles_are_shared(manager):
     futures = [manager.request_grammar(schema(0)) for _ in range(5)]
-    assert len({id(f) for f in futures}) == 1, "concurrent requests share one compile"
-    futures[0].result(timeout=30)
+    templates = {id(f.result(timeout=30)) for f in futures}
+    # One compile whether the others joined it in flight or (on a busy machine, after it
+    # finished) hit the cache.
+    assert manager.stats().num_compiles == 1 and len(templates) == 1
     for index in range(1, 10):
         manager.request_grammar(schema(index)).result(timeout=30)
         assert manager.num_cached_grammars <= 4
     assert manager.stats().num_compiles == 10
+    hits_before = manager.stats().num_cache_hits
     hit = manager.request_grammar(schema(9))
-    assert hit.done() and manager.stats().num_cache_hits == 1
+    assert hit.done() and manager.stats().num_cache_hits == hits_before + 1
     # schema(0) was evicted long ago: asking again compiles again.
     manager.request_grammar(schema(0)).result(timeout=30)
     assert manager.stats().num_compiles == 11
