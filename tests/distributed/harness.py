@@ -21,19 +21,26 @@ def free_port() -> int:
 
 def run_ranks(world_size: int, args: dict, out_dir: Path, timeout_s: float = 120.0) -> list[dict]:
     """Start `python -m tests.distributed.rank_main` once per rank with args plus rank,
-    init_method, out_dir and timeout_s; wait for all (killing any left at the end, by pid).
-    Returns each rank's rank{r}.json; AssertionError with the logs if a rank fails."""
+    init_method, out_dir and timeout_s. Returns each rank's rank{r}.json (see run_processes)."""
     args = {**args, "init_method": f"tcp://127.0.0.1:{free_port()}", "out_dir": str(out_dir),
             "timeout_s": timeout_s}
+    return run_processes("tests.distributed.rank_main",
+                         [{**args, "rank": rank} for rank in range(world_size)], out_dir, timeout_s)
+
+
+def run_processes(module: str, rank_args: list[dict], out_dir: Path,
+                  timeout_s: float) -> list[dict]:
+    """Start `python -m module JSON` once per entry of rank_args (one thread each); wait for all,
+    killing any left at the end by pid. Rank r writes out_dir/rank{r}.json, returned in rank
+    order; AssertionError with the logs if a rank fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     procs: list[subprocess.Popen] = []
-    logs = [out_dir / f"rank{rank}.log" for rank in range(world_size)]
+    logs = [out_dir / f"rank{rank}.log" for rank in range(len(rank_args))]
     try:
-        for rank, log in enumerate(logs):
+        for args, log in zip(rank_args, logs):
             with open(log, "w") as log_file:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tests.distributed.rank_main",
-                     json.dumps({**args, "rank": rank})],
+                    [sys.executable, "-m", module, json.dumps(args)],
                     cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                 ))
         deadline = time.monotonic() + timeout_s
@@ -48,4 +55,5 @@ def run_ranks(world_size: int, args: dict, out_dir: Path, timeout_s: float = 120
     assert not failed, "\n".join(
         f"--- rank {rank} (exit {procs[rank].returncode}):\n{logs[rank].read_text()[-3000:]}"
         for rank in failed)
-    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+    return [json.loads((out_dir / f"rank{rank}.json").read_text())
+            for rank in range(len(rank_args))]

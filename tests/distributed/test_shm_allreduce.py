@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -16,8 +14,8 @@ import torch
 
 from pagedserve.distributed import shm_allreduce
 from pagedserve.distributed.shm_allreduce import ShmAllReduce
+from tests.distributed.harness import run_processes
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_BYTES = 256 * 576 * 4
 
 
@@ -26,31 +24,11 @@ def _name() -> str:
 
 
 def _run_ranks(tmp_path: Path, world_size: int, args: dict, timeout_s: float = 60.0) -> list[dict]:
-    """One worker process per rank; all waited for, any left killed by pid. Returns their JSON."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    procs: list[subprocess.Popen] = []
-    logs = [tmp_path / f"rank{r}.log" for r in range(world_size)]
-    try:
-        for rank in range(world_size):
-            worker_args = {"group_ranks": list(range(world_size)), "world_size": world_size,
-                           "max_bytes": MAX_BYTES, "timeout_s": 20.0, **args, "rank": rank,
-                           "out": str(tmp_path / f"rank{rank}.json")}
-            with open(logs[rank], "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tests.distributed.shm_allreduce_worker",
-                     json.dumps(worker_args)],
-                    cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {r}:\n{logs[r].read_text()[-3000:]}" for r in failed)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    """One worker process per rank (tests/distributed/shm_allreduce_worker.py); their JSON."""
+    rank_args = [{"group_ranks": list(range(world_size)), "world_size": world_size,
+                  "max_bytes": MAX_BYTES, "timeout_s": 20.0, **args, "rank": rank,
+                  "out": str(tmp_path / f"rank{rank}.json")} for rank in range(world_size)]
+    return run_processes("tests.distributed.shm_allreduce_worker", rank_args, tmp_path, timeout_s)
 
 
 def _segment_path(name: str) -> str:

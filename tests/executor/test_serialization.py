@@ -19,11 +19,9 @@ import pytest
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     GrammarOutput,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
     TokenLogprobs,
 )
