@@ -6,6 +6,7 @@ imports torch, so the control plane and its tests stay torch-free.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -57,6 +58,9 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -67,6 +71,9 @@ class CacheConfig:
     """Reuse KV of identical prompt prefixes across requests."""
     num_gpu_blocks_override: int | None = None
     """Fix the block count instead of deriving it from the memory budget (tests use tiny pools)."""
+    cache_dtype: str = "auto"
+    """KV cache element type: "auto" (the compute dtype), "int8" or "fp8" (e4m3), both with
+    scales stored beside the KV (attention/kv_cache.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -75,6 +82,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be >= 2 (block 0 is reserved)")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -232,10 +243,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, values: dict) -> SpeculativeConfig:
         """From vLLM-style keys; unknown keys are a ValueError (a typo must not pass silently)."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        _check_known_keys(cls, values, "speculative_config")
         return cls(**values)
 
 
@@ -330,6 +338,45 @@ class ParallelConfig:
                              f"model's {model.num_hidden_layers} layers")
 
 
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """KV tiers and transfers beyond the device pool (kv_transfer/), with vLLM's key names."""
+
+    kv_connector: str
+    """DiskConnector, RedisConnector, HostOffloadConnector, or MultiConnector (its
+    kv_connector_extra_config["connectors"] lists the others' configs, searched in order)."""
+    kv_role: str = "kv_both"
+    """kv_both: save and load; kv_producer: save only; kv_consumer: load only."""
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    """The connector's own settings (DiskConnector: path, max_bytes; RedisConnector: url;
+    HostOffloadConnector: max_bytes)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_connector_extra_config must be a JSON object")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_producer")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_consumer")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> KVTransferConfig:
+        """From vLLM's keys; unknown keys are a ValueError (a typo must not pass silently)."""
+        _check_known_keys(cls, values, "kv_transfer_config")
+        if "kv_connector" not in values:
+            raise ValueError("kv_transfer_config needs 'kv_connector'")
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; each component receives only its own part."""
@@ -343,3 +390,26 @@ class EngineConfig:
     """None: no speculative decoding."""
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig | None = None
+    """None: KV lives only in the device pool (no tiers)."""
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from 123, "512MiB", "2GiB" or "1.5GB"."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read a size from {value!r} (examples: 512MiB, 2GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _check_known_keys(cls: type, values: dict, name: str) -> None:
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {name} keys {unknown}; known: {sorted(known)}")

@@ -117,6 +117,69 @@ class _SpecDecodeMetrics:
         self._last = stats.copy()
 
 
+class _KVTierMetrics:
+    """The KV tiers' counters (kv_transfer/): lookups, hits per tier, the cost model's decisions,
+    transfers (blocks, bytes, seconds) and faults per tier. Each follows its KVTierStats total."""
+
+    _TIER_FIELDS = {
+        "blocks_loaded": "KV blocks loaded from the tier and verified.",
+        "bytes_loaded": "Bytes loaded from the tier.",
+        "load_seconds": "Time spent loading blocks from the tier (summed over loader threads).",
+        "blocks_saved": "KV blocks written to the tier.",
+        "bytes_saved": "Bytes written to the tier.",
+        "save_seconds": "Time spent writing blocks to the tier.",
+    }
+
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        self.model_name = model_name
+
+        def family(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"pagedserve:kv_tier_{name}", doc, ["model_name", *labels],
+                           registry=registry)
+
+        self.lookup_tokens = family("lookup_tokens", "Prompt tokens past the device pool's hit "
+                                    "looked up in the KV tiers.")
+        self.hit_tokens = family("hit_tokens", "Prompt tokens found in a KV tier (the first in "
+                                 "search order that had them).", ("tier",))
+        self.decisions = family("decisions", "Tier hits the cost model loaded (load) or left to "
+                                "recompute (recompute).", ("decision",))
+        self.loaded_tokens = family("loaded_tokens", "Prompt tokens loaded from KV tiers and used.")
+        self.load_failed_tokens = family("load_failed_tokens", "Prompt tokens a load job could "
+                                         "not deliver (fault, corrupt or missing): recomputed.")
+        self.saves_dropped = family("saves_dropped", "Block saves dropped because the writer "
+                                    "fell behind.")
+        self.tier_families = {name: family(name, doc, ("tier",))
+                              for name, doc in self._TIER_FIELDS.items()}
+        self.faults = family("faults", "KV tier faults, by kind: io_error (the store failed), "
+                             "missing, corrupt (checksum, truncation), foreign (another block's "
+                             "or layout's KV).", ("tier", "kind"))
+        for decision in ("load", "recompute"):
+            self.decisions.labels(model_name=model_name, decision=decision)
+        self._last: dict[tuple, float] = {}
+
+    def _follow(self, family: Counter, total: float, **labels: str) -> None:
+        key = (family._name, *sorted(labels.items()))
+        last = self._last.get(key, 0)
+        family.labels(model_name=self.model_name, **labels).inc(
+            total - last if total >= last else total)  # smaller: a new engine's counters
+        self._last[key] = total
+
+    def record(self, stats) -> None:
+        self._follow(self.lookup_tokens, stats.lookup_tokens)
+        self._follow(self.loaded_tokens, stats.loaded_tokens)
+        self._follow(self.load_failed_tokens, stats.load_failed_tokens)
+        self._follow(self.saves_dropped, stats.num_saves_dropped)
+        for decision, count in stats.decisions.items():
+            self._follow(self.decisions, count, decision=decision)
+        for tier, count in stats.hit_tokens.items():
+            self._follow(self.hit_tokens, count, tier=tier)
+        for tier, counters in stats.tiers.items():
+            for name, family in self.tier_families.items():
+                self._follow(family, getattr(counters, name), tier=tier)
+            for kind, count in counters.faults.items():
+                self._follow(self.faults, count, tier=tier, kind=kind)
+
+
 class PrometheusStatLogger:
     """One engine's metrics in one registry. `record_*` may run on any one thread while another
     renders; prometheus_client's metrics are thread-safe and our own state is under a lock."""
@@ -201,6 +264,7 @@ class PrometheusStatLogger:
             "grammar_mask_time_seconds", "Per engine step with constrained rows: time to fill "
             "their token bitmasks.", GRAMMAR_MASK_BUCKETS)
         self._structured_seen = {"requests": 0, "failures": 0, "compiles": 0, "masks": 0}
+        self._kv_tier: _KVTierMetrics | None = None
         self._spec_decode: _SpecDecodeMetrics | None = None
         if num_speculative_tokens is not None:
             self._spec_decode = _SpecDecodeMetrics(
@@ -231,6 +295,10 @@ class PrometheusStatLogger:
             if self._spec_decode is not None:
                 self._spec_decode.record(stats.spec_decoding)
             self._record_structured_output(stats.structured_output)
+            if stats.kv_tier is not None:
+                if self._kv_tier is None:
+                    self._kv_tier = _KVTierMetrics(self.model_name, self.registry)
+                self._kv_tier.record(stats.kv_tier)
 
     def _record_structured_output(self, stats) -> None:
         """Counters grow by their totals' growth; each timing is observed once (by number)."""

@@ -75,8 +75,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int
-    """Prompt tokens whose KV came from the prefix cache (of the first sequence)."""
+    """Prompt tokens whose KV came from the prefix cache (of the first sequence): from the device
+    pool or a KV tier."""
     metrics: RequestMetrics
+    num_tier_cached_tokens: int = 0
+    """The part of num_cached_tokens loaded from a KV tier (kv_transfer/)."""
     error: str | None = None
     """Why the request failed before generating anything (e.g. its grammar did not compile);
     its sequences then end with finish_reason "abort"."""

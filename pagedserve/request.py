@@ -16,6 +16,8 @@ from pagedserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    """Off the queues, its blocks reserved, while a KV tier loads part of its prefix."""
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything from here on is finished.
@@ -83,7 +85,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
-    """Prompt tokens served from the prefix cache at first scheduling (-1: not scheduled yet)."""
+    """Prompt tokens served from the prefix cache at first scheduling (-1: not scheduled yet),
+    from the device pool or a KV tier."""
+    num_tier_cached_tokens: int = 0
+    """The part of num_cached_tokens loaded from a KV tier (kv_transfer/)."""
     num_preemptions: int = 0
     admission_order: int = -1
     """Set by the scheduler when first queued: breaks ties between equal priority and arrival."""

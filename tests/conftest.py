@@ -67,3 +67,4 @@ def make_llm(model_path, tokenizer):
     yield factory
     for engine in engines:
         engine.assert_idle()
+        engine.shutdown()

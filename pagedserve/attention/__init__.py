@@ -22,7 +22,10 @@ def create_attention_backend(
     device: torch.device | str, dtype: torch.dtype, kernels: ModuleType | None
 ) -> AttentionBackend:
     """The compiled CPU kernels' backend for CPU fp32/bf16 when `kernels` (kernels/cpu_ops.py,
-    None: off) is given, else plain torch (any device, the reference)."""
+    None: off) is given, else plain torch (any device, the reference). Either reads KV caches of
+    every --kv-cache-dtype: the model, and so this choice, is independent of the cache kind (a
+    loaded model serves engines with different caches, and a self-draft's compute-dtype cache
+    beside its target's quantized one)."""
     if (kernels is not None and torch.device(device).type == "cpu"
             and dtype in (torch.float32, torch.bfloat16)):
         return CpuKernelAttentionBackend(kernels)

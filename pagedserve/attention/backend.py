@@ -10,6 +10,10 @@ no per-step state of its own (what a step shares across layers lives in meta.bac
                              (csrc/cpu_ops.cpp), falling back to the torch paths per step shape.
 
 attention/reference.py stays the slow token-by-token reference for both.
+
+Both take a layer's cache as the KVCache tuple (attention/kv_cache.py): (key, value) in the compute
+dtype, or int8 / fp8 codes with their scales, which they quantize on write and dequantize on
+read. The tuple says which, so one model serves caches of either kind.
 """
 
 from __future__ import annotations
@@ -18,21 +22,18 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from pagedserve.attention.kv_cache import KVCache
 from pagedserve.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(ABC):
     @abstractmethod
     def write_kv(
-        self, key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor,
-        v: torch.Tensor, slot_mapping: torch.Tensor,
+        self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     ) -> None:
         """Store this step's K/V (T, Hkv, D) at their slots; done for the whole batch before any
         attention reads, so a request may read blocks another request of the same step writes."""
 
     @abstractmethod
-    def forward(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """q: (T, H, D) -> (T, H, D), reading every request's context from the cache."""

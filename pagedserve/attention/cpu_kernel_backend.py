@@ -5,6 +5,10 @@ prefill chunks through the flash-style `prefill_attention` (2-3x the torch paths
 shape is not theirs the torch functions of attention/paged.py run, exactly as that backend would:
 queries whose heads are not dense, fp32 prefill chunks longer than KERNEL_MAX_TOKENS, and prefill
 chunks whose head_dim the flash kernel does not take.
+
+A quantized cache (int8 / fp8 codes, fp16 scales: attention/kv_cache.py) goes to the same kernels:
+its scales ride along as the last arguments (`*scales`, empty for a plain cache), the kernels
+quantize on write and dequantize each key and value row as they load it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from types import ModuleType
 import torch
 
 from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.kv_cache import KVCache
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.paged import (
     TorchAttentionBackend,
@@ -37,56 +42,54 @@ class CpuKernelAttentionBackend(AttentionBackend):
         """For queries the kernels do not take (heads not dense)."""
 
     def write_kv(
-        self, key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor,
-        v: torch.Tensor, slot_mapping: torch.Tensor,
+        self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     ) -> None:
-        head_dim = key_cache.shape[3]
+        head_dim = kv_cache[0].shape[3]
         if all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v)):
-            # one call instead of two copies
-            self.kernels.write_kv(key_cache, value_cache, k, v, slot_mapping)
+            # one call instead of two copies (and, quantized, the ~8 ops of quantize_kv)
+            key_cache, value_cache, *scales = kv_cache
+            self.kernels.write_kv(key_cache, value_cache, k, v, slot_mapping, *scales)
             return
-        write_kv_index_copy(key_cache, value_cache, k, v, slot_mapping)
+        write_kv_index_copy(kv_cache, k, v, slot_mapping)
 
-    def forward(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants dense heads
-            return self._torch.forward(q, key_cache, value_cache, meta)
+            return self._torch.forward(q, kv_cache, meta)
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs or q.shape[0] <= KERNEL_MAX_TOKENS:
-            return self._paged_attention(q, key_cache, value_cache, meta)
+            return self._paged_attention(q, kv_cache, meta)
         out = torch.empty_like(q)
         if num_decodes:
-            out[:num_decodes] = self._paged_attention(q[:num_decodes], key_cache, value_cache, meta)
+            out[:num_decodes] = self._paged_attention(q[:num_decodes], kv_cache, meta)
         flash = self._flash_serves(q)
+        key_cache, value_cache, *scales = kv_cache
         for i in range(num_decodes, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             if flash:
                 out[start:end] = self.kernels.prefill_attention(
                     q[start:end], key_cache, value_cache, meta.block_table[i],
-                    meta.context_lens[i], q.shape[-1] ** -0.5,
+                    meta.context_lens[i], q.shape[-1] ** -0.5, *scales,
                 )
             else:
-                out[start:end] = gathered_prefill_attention(
-                    q[start:end], key_cache, value_cache, meta, i)
+                out[start:end] = gathered_prefill_attention(q[start:end], kv_cache, meta, i)
         return out
 
     def _paged_attention(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The kernel (csrc/cpu_ops.cpp paged_attention) for the step's first q.shape[0]
         tokens: reads the cache in place, no gathered copy; fp32 throughout."""
         rows, lens = token_rows_and_lens(meta)
         num_tokens = q.shape[0]
+        key_cache, value_cache, *scales = kv_cache
         return self.kernels.paged_attention(
             q, key_cache, value_cache, meta.block_table, rows[:num_tokens], lens[:num_tokens],
-            q.shape[-1] ** -0.5,
+            q.shape[-1] ** -0.5, *scales,
         )
 
     def _flash_serves(self, q: torch.Tensor) -> bool:
-        """The flash prefill kernel takes bf16 with head_dim 64 or 128 (AVX512-BF16)."""
+        """The flash prefill kernel takes bf16 with head_dim 64 or 128 (AVX512-BF16); a
+        quantized cache is dequantized to bf16 as its tiles are laid out."""
         return (
             q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
             and self.kernels.prefill_attention_supported()

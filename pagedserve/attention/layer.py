@@ -25,6 +25,6 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D)."""
         meta = get_forward_context()
-        key_cache, value_cache = meta.kv_caches[self.layer_idx]
-        self.backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
-        return self.backend.forward(q, key_cache, value_cache, meta)
+        kv_cache = meta.kv_caches[self.layer_idx]
+        self.backend.write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self.backend.forward(q, kv_cache, meta)

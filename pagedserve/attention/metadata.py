@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.attention.kv_cache import KVCache
+
 
 @dataclass
 class AttentionMetadata:
@@ -31,9 +33,10 @@ class AttentionMetadata:
     """(B, max_blocks) int64 block ids, padded with the null block 0."""
     decode_seq_lens: torch.Tensor
     """(num_decodes,) int64 on the device, for the batched decode mask."""
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per layer (key_cache, value_cache), each (Hkv, num_blocks, block_size, D). Carried here,
-    not bound to the layers, so one loaded model can serve several engines (tests, drafts)."""
+    kv_caches: list[KVCache]
+    """Per layer its KVCache (attention/kv_cache.py): (key_cache, value_cache), each (Hkv,
+    num_blocks, block_size, D), or quantized codes and their scales. Carried here, not bound to
+    the layers, so one loaded model can serve several engines (tests, drafts)."""
     backend_state: dict[str, Any] = field(default_factory=dict)
     """Tensors an attention backend derives from this metadata once per step (in its first
     layer) and reuses in the others, e.g. the decode mask."""
@@ -52,7 +55,7 @@ def slot_mapping_of(block_ids: list[int], start: int, end: int, block_size: int)
 def build_attention_metadata(
     chunks: list[tuple[list[int], int, int]],
     block_size: int,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: list[KVCache],
     device: torch.device,
 ) -> AttentionMetadata:
     """The step's metadata from its requests in batch order, one-token chunks first: each as

@@ -10,6 +10,10 @@ On the CPU the compiled kernels are faster (attention/cpu_kernel_backend.py, whi
 the functions here where they do not serve); this backend serves other devices and dtypes, runs
 when the kernels are off, and is the reference the kernels are tested against.
 
+A quantized cache (int8 / fp8 codes with per-(head, token) scales, attention/kv_cache.py) is
+quantized as it is written and dequantized to the compute dtype right after the gather, so the
+attention math below is the same for both kinds.
+
 torch's SDPA serves fresh prompts (causal, no context). Elsewhere plain matmuls: on this CPU
 (torch 2.13) SDPA's flash kernel costs ~13 us per (request, head) for a one-token query (the
 matmuls are ~3x faster for a batch of decodes), and a prefill chunk with context needs an
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.kv_cache import KVCache, dequantize_kv, quantize_kv
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -33,44 +38,49 @@ class TorchAttentionBackend(AttentionBackend):
     matmuls per prefill chunk."""
 
     def write_kv(
-        self, key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor,
-        v: torch.Tensor, slot_mapping: torch.Tensor,
+        self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     ) -> None:
-        write_kv_index_copy(key_cache, value_cache, k, v, slot_mapping)
+        write_kv_index_copy(kv_cache, k, v, slot_mapping)
 
-    def forward(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs:  # a pure decode step: no copy into a shared output
-            return decode_attention(q, key_cache, value_cache, meta)
+            return decode_attention(q, kv_cache, meta)
         out = torch.empty_like(q)
         if num_decodes:
-            out[:num_decodes] = decode_attention(q[:num_decodes], key_cache, value_cache, meta)
+            out[:num_decodes] = decode_attention(q[:num_decodes], kv_cache, meta)
         for i in range(num_decodes, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[start:end] = gathered_prefill_attention(
-                q[start:end], key_cache, value_cache, meta, i)
+            out[start:end] = gathered_prefill_attention(q[start:end], kv_cache, meta, i)
         return out
 
 
 def write_kv_index_copy(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:
-    """k, v: (T, Hkv, D) into their slots of the (Hkv, num_blocks, block_size, D) caches."""
+    """k, v: (T, Hkv, D) into their slots of the (Hkv, num_blocks, block_size, D) caches; into a
+    quantized cache as codes, with each (token, head)'s scale at the same slot of the scales."""
+    key_cache, value_cache, *scale_caches = kv_cache
     num_kv_heads, _, _, head_dim = key_cache.shape
-    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    if scale_caches:
+        (k, k_scale), (v, v_scale) = quantize_kv(k, key_cache.dtype), quantize_kv(v, key_cache.dtype)
+        for scale_cache, scale in zip(scale_caches, (k_scale, v_scale)):  # (T, Hkv) each
+            scale_cache.view(num_kv_heads, -1).index_copy_(1, slot_mapping, scale.t())
+    for cache, x in ((key_cache, k), (value_cache, v)):
+        _as_copyable(cache).view(num_kv_heads, -1, head_dim).index_copy_(
+            1, slot_mapping, _as_copyable(x).transpose(0, 1))
+
+
+def _as_copyable(t: torch.Tensor) -> torch.Tensor:
+    """fp8 as its bytes: torch 2.13 has no index_copy_ for float8 on the CPU."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def gathered_prefill_attention(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-    req_index: int,
+    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, req_index: int,
 ) -> torch.Tensor:
     """Request req_index's prefill chunk q (Tq, H, D) over its gathered context -> (Tq, H, D)."""
-    k, v = _gather(key_cache, value_cache, meta.block_table[req_index], meta.seq_lens[req_index])
+    k, v = _gather(kv_cache, meta.block_table[req_index], meta.seq_lens[req_index], q.dtype)
     return _prefill_attention(q, k, v, meta.context_lens[req_index])
 
 
@@ -167,22 +177,19 @@ def _decode_plan(
     return plan
 
 
-def decode_attention(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
     """q: (B, H, D), one query per request at the end of its sequence.
 
     Scores are computed in the compute dtype (no fp32 output for bf16 matmuls on the CPU);
     softmax accumulates in fp32 internally.
     """
     num_decodes, num_heads, head_dim = q.shape
-    num_kv_heads, num_cache_blocks, block_size, _ = key_cache.shape
+    num_kv_heads, num_cache_blocks, block_size, _ = kv_cache[0].shape
     group = num_heads // num_kv_heads
     plan = _decode_plan(meta, block_size, num_kv_heads, num_cache_blocks, group, q.dtype)
     batch_shape = (num_kv_heads * num_decodes, plan.padded_len, head_dim)
-    rows = (-1, block_size, head_dim)
-    k = key_cache.view(rows).index_select(0, plan.block_ids).view(batch_shape)  # (Hkv * B, L, D)
-    v = value_cache.view(rows).index_select(0, plan.block_ids).view(batch_shape)
+    k, v = _gather_blocks(kv_cache, plan.block_ids, q.dtype)
+    k, v = k.view(batch_shape), v.view(batch_shape)  # (Hkv * B, L, D)
     # (B, H, D) -> (Hkv * B, G, D): a request's G query heads of one KV head as G rows
     q_rows = q.view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
     q_rows = q_rows.reshape(num_kv_heads * num_decodes, group, head_dim)
@@ -208,13 +215,27 @@ def token_rows_and_lens(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Te
 
 
 def _gather(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+    kv_cache: KVCache, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's (max_blocks,) block ids -> its K, V: (Hkv, seq_len, D) each."""
-    num_kv_heads, num_cache_blocks, block_size, head_dim = key_cache.shape
+    """One request's (max_blocks,) block ids -> its K, V: (Hkv, seq_len, D) each, in dtype."""
+    num_kv_heads, num_cache_blocks, block_size, head_dim = kv_cache[0].shape
     ids = _head_major_rows(block_ids[: -(-seq_len // block_size)], num_kv_heads, num_cache_blocks)
+    k, v = _gather_blocks(kv_cache, ids, dtype)
+    return (k.view(num_kv_heads, -1, head_dim)[:, :seq_len],
+            v.view(num_kv_heads, -1, head_dim)[:, :seq_len])
+
+
+def _gather_blocks(
+    kv_cache: KVCache, rows: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the caches viewed as (Hkv * num_blocks, block_size, D) (see _head_major_rows) ->
+    K, V: (len(rows), block_size, D) each, dequantized to dtype where the cache is quantized."""
+    key_cache, value_cache, *scale_caches = kv_cache
+    _, _, block_size, head_dim = key_cache.shape
     # index_select on the block dimension: ~8x faster on CPU than advanced indexing.
-    rows = (-1, block_size, head_dim)
-    k = key_cache.view(rows).index_select(0, ids).view(num_kv_heads, -1, head_dim)
-    v = value_cache.view(rows).index_select(0, ids).view(num_kv_heads, -1, head_dim)
-    return k[:, :seq_len], v[:, :seq_len]
+    k = key_cache.view(-1, block_size, head_dim).index_select(0, rows)
+    v = value_cache.view(-1, block_size, head_dim).index_select(0, rows)
+    if not scale_caches:
+        return k, v
+    k_scale, v_scale = (s.view(-1, block_size).index_select(0, rows) for s in scale_caches)
+    return dequantize_kv(k, k_scale, dtype), dequantize_kv(v, v_scale, dtype)

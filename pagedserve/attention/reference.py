@@ -1,6 +1,8 @@
 """The slow, obviously correct attention the fast paths are tested against.
 
-Token by token through the block table, one request at a time, fp64 softmax.
+Token by token through the block table, one request at a time, fp64 softmax. It reads plain
+(key_cache, value_cache); a quantized layer cache is dequantized first
+(kv_cache.dequantize_kv_cache).
 """
 
 from __future__ import annotations

@@ -70,6 +70,11 @@ def validate_dataset_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--questions-per-doc must be >= 1, got {args.questions_per_doc}")
 
 
+def num_questions_per_doc(args: argparse.Namespace) -> int:
+    """doc-qa: --questions-per-doc, else --num-prompts spread over the documents."""
+    return args.questions_per_doc or max(1, args.num_prompts // args.num_docs)
+
+
 def _make_prompts(
     args: argparse.Namespace, sample: Callable[[int], list[T]], rng: random.Random
 ) -> list[list[T]]:
@@ -78,7 +83,7 @@ def _make_prompts(
         # Unique per prompt with overwhelming probability; the first token alone makes a clash
         # of two 200-token prompts a 1-in-49k event, so nothing hits the prefix cache.
         return [sample(args.input_len) for _ in range(args.num_prompts)]
-    questions_per_doc = args.questions_per_doc or max(1, args.num_prompts // args.num_docs)
+    questions_per_doc = num_questions_per_doc(args)
     docs = [sample(args.doc_len) for _ in range(args.num_docs)]
     # Interleaved (q0 of d0, q0 of d1, q1 of d0, ...) so each document's prefix is reused
     # across requests that arrive between other documents' requests.
@@ -89,6 +94,15 @@ def _make_prompts(
         return sample(args.question_len) + doc[start : start + args.quote_len]
 
     return [doc + question(doc) for _ in range(questions_per_doc) for doc in docs]
+
+
+def split_first_questions(workload: Workload, num_docs: int) -> tuple[Workload, Workload]:
+    """doc-qa: (each document's first question, every later question), in workload order.
+
+    The prompts are interleaved by question (q0 of d0, q0 of d1, q1 of d0, ...), so the first
+    num_docs prompts are the first questions."""
+    first, repeats = workload.prompt_token_ids[:num_docs], workload.prompt_token_ids[num_docs:]
+    return Workload(first, workload.output_len), Workload(repeats, workload.output_len)
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int, seed: int | None = None) -> Workload:

@@ -66,6 +66,9 @@ class RequestResult:
     """"usage" (the server's count), "tokenizer" (ours, over the text) or "chunks" (a guess)."""
     num_cached_tokens: int | None = None
     """usage.prompt_tokens_details.cached_tokens, where the server reports it."""
+    num_kv_tier_cached_tokens: int | None = None
+    """usage.prompt_tokens_details.kv_tier_cached_tokens (pagedserve's): the part of
+    cached_tokens that came from a KV tier rather than the device's pool."""
 
     @property
     def tpot(self) -> float | None:
@@ -255,6 +258,7 @@ async def send_request(
             result.prompt_len = usage["prompt_tokens"]
         details = usage.get("prompt_tokens_details") or {}
         result.num_cached_tokens = details.get("cached_tokens")
+        result.num_kv_tier_cached_tokens = details.get("kv_tier_cached_tokens")
     return result
 
 
@@ -430,6 +434,13 @@ def summarize(
     prompt_lens = [r.prompt_len for r in done if r.prompt_len is not None]
     num_input_tokens = sum(prompt_lens) if len(prompt_lens) == len(done) else None
     cached = [r.num_cached_tokens for r in done if r.num_cached_tokens is not None]
+    tier_cached = [r.num_kv_tier_cached_tokens for r in done
+                   if r.num_kv_tier_cached_tokens is not None]
+    # Over the requests whose usage reports cached tokens (it reports their prompt tokens too).
+    prompt_lens_with_cached = [r.prompt_len for r in done if r.num_cached_tokens is not None]
+    hit_rate = None
+    if cached and None not in prompt_lens_with_cached and sum(prompt_lens_with_cached) > 0:
+        hit_rate = sum(cached) / sum(prompt_lens_with_cached)
     metrics: dict[str, Any] = {
         "num_requests": len(results),
         "completed": len(done),
@@ -438,6 +449,8 @@ def summarize(
         "total_input_tokens": num_input_tokens,
         "total_output_tokens": num_output_tokens,
         "total_cached_tokens": sum(cached) if cached else None,
+        "total_kv_tier_cached_tokens": sum(tier_cached) if tier_cached else None,
+        "prefix_cache_hit_rate": hit_rate,
         "output_tokens_source": sorted({r.output_tokens_source for r in done}),
         "request_throughput": len(done) / duration,
         "output_throughput": num_output_tokens / duration,
@@ -470,6 +483,7 @@ def request_record(result: RequestResult) -> dict[str, Any]:
         "start_s": result.start_time, "ttft_s": result.ttft, "tpot_s": result.tpot,
         "latency_s": result.latency, "itl_s": result.itls, "prompt_len": result.prompt_len,
         "output_tokens": result.output_tokens, "num_cached_tokens": result.num_cached_tokens,
+        "num_kv_tier_cached_tokens": result.num_kv_tier_cached_tokens,
     }
 
 
@@ -495,6 +509,10 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     if metrics["total_cached_tokens"] is not None:
         lines.append(row("Total cached prompt tokens:", metrics["total_cached_tokens"], "d"))
+    if metrics["total_kv_tier_cached_tokens"] is not None:
+        lines.append(row("  of which from a KV tier:", metrics["total_kv_tier_cached_tokens"], "d"))
+    if metrics["prefix_cache_hit_rate"] is not None:
+        lines.append(row("Prefix cache hit rate:", metrics["prefix_cache_hit_rate"], ".1%"))
     lines += [
         row("Request throughput (req/s):", metrics["request_throughput"], ".2f"),
         row("Output token throughput (tok/s):", metrics["output_throughput"], ".2f"),

@@ -7,6 +7,10 @@ same process (static batches, left padding) as a baseline. Knows nothing about t
 
 With --structured-fraction F, the same batch runs twice, unconstrained and with a fraction F of
 its requests JSON-constrained, and the table compares them (throughput ratio, mask ms per step).
+
+With --compare-no-prefix-cache (doc-qa), the founding document's method for document QA: each
+document's first questions, then the repeats, run by an engine without the prefix cache and then
+by a fresh one with it (see compare_prefix_cache).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from pagedserve.benchmarks.datasets import (
     Workload,
     add_dataset_args,
     make_workload,
+    num_questions_per_doc,
+    split_first_questions,
 )
+from pagedserve.benchmarks.serve import percentile
 from pagedserve.benchmarks.step_profile import format_profile, profile_steps
 from pagedserve.core.stats import SpecDecodingStats
 from pagedserve.engine.arg_utils import EngineArgs
@@ -60,6 +67,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compare-one-process", action="store_true",
                        help="with --tensor/--pipeline-parallel-size > 1: also run the same "
                             "engine as one process (world size 1) and print the ratio")
+    group.add_argument("--compare-no-prefix-cache", action="store_true",
+                       help="with --dataset doc-qa: run each document's first question, then "
+                            "the repeats, on an engine without the prefix cache and then on a "
+                            "fresh one with it; report each batch and the ratios")
     group.add_argument("--output-json", type=str, default=None, help="write all results here")
     group.add_argument("--profile", action="store_true",
                        help="after the run, break one decode step (batch = --num-prompts) and one "
@@ -131,28 +142,24 @@ def constrained_rows(num_requests: int, fraction: float) -> list[bool]:
 
 def run_pagedserve(
     llm: LLM, workload: Workload, constraint: StructuredOutputsParams | None = None,
-    fraction: float = 0.0,
+    fraction: float = 0.0, cold: bool = True,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """Time one generate() over the whole workload; returns (metrics, output token ids).
 
     With a constraint, a `fraction` of the requests carry it (its grammar is compiled in the
-    warmup, so the timing holds the per-step cost, not the one-off compile)."""
-    tokenizer = llm.get_tokenizer()
-    warmup_ids = list(range(NUM_SPECIAL_MARGIN, NUM_SPECIAL_MARGIN + WARMUP_PROMPT_LEN))
-    assert max(warmup_ids) < tokenizer.vocab_size
-    llm.generate({"prompt_token_ids": warmup_ids}, _fixed_length_params(WARMUP_OUTPUT_LEN))
+    warmup, so the timing holds the per-step cost, not the one-off compile).
+    cold: warm the engine up first, then empty the prefix cache; False: run on the engine as
+    it is (an earlier run warmed it up, and what it cached stays)."""
     plain_params = _fixed_length_params(workload.output_len)
     params_list = [plain_params] * len(workload.prompt_token_ids)
+    if cold:
+        _warm_up(llm, constraint)
     if constraint is not None:
         constrained_params = SamplingParams(temperature=0, ignore_eos=True,
                                             max_tokens=workload.output_len,
                                             structured_outputs=constraint)
-        llm.generate({"prompt_token_ids": warmup_ids},
-                     SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN,
-                                    structured_outputs=constraint))
         params_list = [constrained_params if constrained else plain_params
                        for constrained in constrained_rows(len(params_list), fraction)]
-    llm.engine.reset_prefix_cache()
 
     stats_before = llm.engine.get_stats()
     prompts = [{"prompt_token_ids": ids} for ids in workload.prompt_token_ids]
@@ -166,6 +173,7 @@ def run_pagedserve(
 
     num_output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     num_prompt_tokens_computed = stat_delta("num_prompt_tokens_computed")
+    num_cached_tokens = sum(out.num_cached_tokens for out in outputs)
     spec_decode = None
     if llm.engine.config.speculative is not None:
         spec_decode = _spec_decode_metrics(stats_before.spec_decoding, stats_after.spec_decoding)
@@ -175,7 +183,9 @@ def run_pagedserve(
         "num_generation_tokens": stat_delta("num_generation_tokens"),
         "prefix_cache_queries": stat_delta("prefix_cache_queries"),
         "prefix_cache_hits": stat_delta("prefix_cache_hits"),
-        "num_cached_tokens": sum(out.num_cached_tokens for out in outputs),
+        "num_cached_tokens": num_cached_tokens,
+        # Cached / prompt tokens: with a KV tier (--kv-transfer-config), tier hits count too.
+        "prefix_cache_hit_rate": _safe_div(num_cached_tokens, workload.num_prompt_tokens),
         "num_preemptions": stat_delta("num_preemptions"),
         "num_threads": torch.get_num_threads(),
         "spec_decode": spec_decode,
@@ -194,6 +204,19 @@ def run_pagedserve(
         )
     metrics.update(_phase_metrics(outputs, start, num_prompt_tokens_computed))
     return metrics, [out.outputs[0].token_ids for out in outputs]
+
+
+def _warm_up(llm: LLM, constraint: StructuredOutputsParams | None) -> None:
+    """One short request (and one constrained, compiling its grammar); then an empty prefix
+    cache, so that the timed run starts cold."""
+    warmup_ids = list(range(NUM_SPECIAL_MARGIN, NUM_SPECIAL_MARGIN + WARMUP_PROMPT_LEN))
+    assert max(warmup_ids) < llm.get_tokenizer().vocab_size
+    llm.generate({"prompt_token_ids": warmup_ids}, _fixed_length_params(WARMUP_OUTPUT_LEN))
+    if constraint is not None:
+        llm.generate({"prompt_token_ids": warmup_ids},
+                     SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN,
+                                    structured_outputs=constraint))
+    llm.engine.reset_prefix_cache()
 
 
 def _spec_decode_metrics(before: SpecDecodingStats, after: SpecDecodingStats) -> dict[str, Any]:
@@ -255,6 +278,8 @@ def _phase_metrics(
     num_decode_tokens = sum(len(out.outputs[0].token_ids) - 1 for out in outputs)
     return {
         "mean_ttft_s": sum(ttfts) / len(ttfts),
+        "median_ttft_s": percentile(ttfts, 50),
+        "p99_ttft_s": percentile(ttfts, 99),
         "mean_tpot_s": sum(tpots) / len(tpots) if tpots else None,
         "prefill_time_s": last_first_token - start,
         "prefill_tokens_per_s": _safe_div(num_prompt_tokens_computed, last_first_token - start),
@@ -334,6 +359,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_one_process and engine_args.create_parallel_config().world_size == 1:
         raise ValueError("--compare-one-process needs --tensor-parallel-size or "
                          "--pipeline-parallel-size > 1")
+    if args.compare_no_prefix_cache:
+        result = compare_prefix_cache(args, engine_args)
+        _emit(result, format_prefix_cache_table(result), args.output_json)
+        return result
     load_average_start = os.getloadavg()[0]
     llm = LLM(**vars(engine_args))
     model_path = llm.engine.config.model_path
@@ -387,19 +416,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
 
     result: dict[str, Any] = {
-        "config": {
-            "model_path": model_path,
-            "dtype": engine_args.dtype,
-            "dataset": "chat-prompt" if args.chat_prompt else args.dataset,
-            "num_prompts": len(workload.prompt_token_ids),
-            "output_len": workload.output_len,
-            "mean_prompt_len": workload.num_prompt_tokens / len(workload.prompt_token_ids),
-            "seed": args.seed,
-            "num_threads": torch.get_num_threads(),
-            "engine_args": vars(engine_args),
-            # Other processes on the CPU slow both sides; keep the evidence with the numbers.
-            "load_average_1min_start": load_average_start,
-        },
+        "config": _config(args, engine_args, workload, model_path, load_average_start),
         "pagedserve": ours,
         "no_spec": no_spec,
         "spec_speedup": None,
@@ -425,13 +442,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "output_tokens_per_s": ours["output_tokens_per_s"] / one_process["output_tokens_per_s"],
             "mean_tpot": _safe_div(one_process["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
         }
-    if args.chat_prompt:
-        result["config"]["chat_prompts"] = args.chat_prompt
-    elif args.dataset == "doc-qa":
-        result["config"].update(num_docs=args.num_docs, doc_len=args.doc_len,
-                                question_len=args.question_len, quote_len=args.quote_len)
-    else:
-        result["config"]["input_len"] = args.input_len
     if args.baseline == "hf":
         hf, hf_output_ids = run_hf(model_path, engine_args.dtype, workload, args.hf_batch_size)
         # Greedy on both sides, so identical outputs are expected up to numerics.
@@ -442,14 +452,206 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         ratio = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
         result["output_tokens_per_s_ratio"] = ratio
     result["config"]["load_average_1min_end"] = os.getloadavg()[0]
-
-    print(format_table(result))
-    if profile_table:
-        print(profile_table)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    _emit(result, format_table(result) + (f"\n{profile_table}" if profile_table else ""),
+          args.output_json)
     return result
+
+
+def _config(
+    args: argparse.Namespace, engine_args: EngineArgs, workload: Workload, model_path: str,
+    load_average_start: float,
+) -> dict[str, Any]:
+    config = {
+        "model_path": model_path,
+        "dtype": engine_args.dtype,
+        "dataset": "chat-prompt" if args.chat_prompt else args.dataset,
+        "num_prompts": len(workload.prompt_token_ids),
+        "output_len": workload.output_len,
+        "mean_prompt_len": workload.num_prompt_tokens / len(workload.prompt_token_ids),
+        "seed": args.seed,
+        "num_threads": torch.get_num_threads(),
+        "engine_args": vars(engine_args),
+        # Other processes on the CPU slow both sides; keep the evidence with the numbers.
+        "load_average_1min_start": load_average_start,
+    }
+    if args.chat_prompt:
+        config["chat_prompts"] = args.chat_prompt
+    elif args.dataset == "doc-qa":
+        config.update(num_docs=args.num_docs, doc_len=args.doc_len,
+                      question_len=args.question_len, quote_len=args.quote_len)
+    else:
+        config["input_len"] = args.input_len
+    return config
+
+
+def _emit(result: dict[str, Any], table: str, output_json: str | None) -> None:
+    print(table)
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+PREFIX_CACHE_RUNS = (
+    # (result key, table column)
+    ("cache_off_first", "off: first"),
+    ("cache_off_repeats", "off: repeats"),
+    ("cache_on_first", "on: first"),
+    ("cache_on_repeats", "on: repeats"),
+)
+
+
+def compare_prefix_cache(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
+    """--compare-no-prefix-cache: the doc-qa workload with the prefix cache off and on.
+
+    The workload splits into each document's first question and the repeats; each engine runs
+    the first questions, then (without a reset) the repeats, as two timed batches:
+
+        engine                          | first questions        | repeats
+        cache off (and no KV tier)      | every token computed   | every token computed
+        cache on, fresh                 | cold: every token      | warm: the documents cached
+
+    So each "on" batch compares with the "off" batch of the same prompts and batch size. The
+    "off" engine is freed before the "on" one is made. Any other engine flag (--kv-cache-dtype,
+    --kv-transfer-config, a smaller --kv-cache-memory) applies to the "on" engine.
+    NOTE: a KV tier that persists between invocations (a disk or Redis store) may already hold
+    the documents; "on: first" then shows cached tokens and is not cold.
+    """
+    if args.dataset != "doc-qa" or args.chat_prompt:
+        raise ValueError("--compare-no-prefix-cache needs --dataset doc-qa")
+    if not engine_args.enable_prefix_caching:
+        raise ValueError("--compare-no-prefix-cache compares against the prefix cache: drop "
+                         "--no-enable-prefix-caching")
+    others = {"--baseline hf": args.baseline != "none", "--compare-no-spec": args.compare_no_spec,
+              "--compare-one-process": args.compare_one_process, "--profile": args.profile,
+              "--structured-fraction": args.structured_fraction > 0}
+    if any(others.values()):
+        raise ValueError("--compare-no-prefix-cache runs on its own, without "
+                         + ", ".join(flag for flag, given in others.items() if given))
+    if num_questions_per_doc(args) < 2:
+        raise ValueError("--compare-no-prefix-cache needs --questions-per-doc >= 2")
+    load_average_start = os.getloadavg()[0]
+    engine_kwargs = {
+        # Off means off: no KV tier either (one that saves would warm it for the "on" engine).
+        "off": {**vars(engine_args), "enable_prefix_caching": False, "kv_transfer_config": None},
+        "on": vars(engine_args),
+    }
+    runs: dict[str, dict[str, Any]] = {}
+    output_ids: dict[str, list[list[int]]] = {}
+    for cache, kwargs in engine_kwargs.items():
+        llm = LLM(**kwargs)
+        if cache == "off":
+            model_path = llm.engine.config.model_path
+            workload = make_workload(args, llm.get_tokenizer().vocab_size)
+            first, repeats = split_first_questions(workload, args.num_docs)
+        for name, batch in (("first", first), ("repeats", repeats)):
+            key = f"cache_{cache}_{name}"
+            runs[key], output_ids[key] = run_pagedserve(llm, batch, cold=name == "first")
+        llm.engine.shutdown()  # stops the worker processes, if any
+        llm.engine.assert_idle()
+        del llm  # free the KV pool before the next engine is made
+        gc.collect()
+
+    off_ids = output_ids["cache_off_first"] + output_ids["cache_off_repeats"]
+    on_ids = output_ids["cache_on_first"] + output_ids["cache_on_repeats"]
+    config = _config(args, engine_args, workload, model_path, load_average_start)
+    config.update(questions_per_doc=num_questions_per_doc(args),
+                  block_size=engine_args.block_size,
+                  load_average_1min_end=os.getloadavg()[0])
+    return {
+        "config": config,
+        "prefix_cache": {
+            **runs,
+            "cache_off_total": _totals(runs["cache_off_first"], runs["cache_off_repeats"]),
+            "cache_on_total": _totals(runs["cache_on_first"], runs["cache_on_repeats"]),
+            "repeats_on_vs_off": _on_vs_off(runs["cache_on_repeats"], runs["cache_off_repeats"]),
+            "first_on_vs_off": _on_vs_off(runs["cache_on_first"], runs["cache_off_first"]),
+            # Greedy both ways: cached KV must not change a token (fp32; bf16 may flip
+            # near-ties, since a cached prefix was computed in another batch).
+            "num_outputs_identical": sum(a == b for a, b in zip(off_ids, on_ids)),
+            "num_outputs_compared": len(off_ids),
+        },
+    }
+
+
+def _totals(*runs: dict[str, Any]) -> dict[str, Any]:
+    """Counters summed over batches (timings do not add up across batches: see each batch)."""
+    keys = ("num_requests", "num_prompt_tokens", "num_prompt_tokens_computed",
+            "num_cached_tokens", "num_output_tokens", "elapsed_s")
+    totals = {key: sum(run[key] for run in runs) for key in keys}
+    totals["prefix_cache_hit_rate"] = _safe_div(totals["num_cached_tokens"],
+                                                totals["num_prompt_tokens"])
+    return totals
+
+
+def _on_vs_off(on: dict[str, Any], off: dict[str, Any]) -> dict[str, float | None]:
+    """The same prompts in the same batch, cache on against off: > 1 is faster, < 1 less work."""
+    return {
+        "mean_ttft_speedup": _safe_div(off["mean_ttft_s"], on["mean_ttft_s"]),
+        "median_ttft_speedup": _safe_div(off["median_ttft_s"], on["median_ttft_s"]),
+        "p99_ttft_speedup": _safe_div(off["p99_ttft_s"], on["p99_ttft_s"]),
+        "output_tokens_per_s_ratio": _safe_div(on["output_tokens_per_s"],
+                                               off["output_tokens_per_s"]),
+        "prompt_tokens_computed_ratio": _safe_div(on["num_prompt_tokens_computed"],
+                                                  off["num_prompt_tokens_computed"]),
+    }
+
+
+def format_prefix_cache_table(result: dict[str, Any]) -> str:
+    config, compared = result["config"], result["prefix_cache"]
+    rows = [
+        ("prompts", "num_requests", "d"),
+        ("prompt tokens", "num_prompt_tokens", "d"),
+        ("prompt tokens computed", "num_prompt_tokens_computed", "d"),
+        ("cached prompt tokens", "num_cached_tokens", "d"),
+        ("prefix-cache hit rate", "prefix_cache_hit_rate", ".1%"),
+        ("mean TTFT (ms)", "mean_ttft_s", "ms"),
+        ("p50 TTFT (ms)", "median_ttft_s", "ms"),
+        ("p99 TTFT (ms)", "p99_ttft_s", "ms"),
+        ("output tokens/s", "output_tokens_per_s", ".1f"),
+        ("mean time per output token (ms)", "mean_tpot_s", "ms"),
+        ("total time (s)", "elapsed_s", ".2f"),
+        ("preemptions", "num_preemptions", "d"),
+    ]
+    width, cell_width = 34, 14
+    lines = [
+        f"model {os.path.basename(config['model_path'])}  dtype {config['dtype']}  dataset "
+        f"doc-qa  {config['num_docs']} docs x {config['questions_per_doc']} questions  doc len "
+        f"{config['doc_len']}  question len {config['question_len'] + config['quote_len']}  "
+        f"output len {config['output_len']}  block size {config['block_size']}  threads "
+        f"{config['num_threads']}  load avg {config['load_average_1min_start']:.2f} -> "
+        f"{config['load_average_1min_end']:.2f}",
+        "prefix cache off, then a fresh engine with it on; each runs the first questions "
+        "(one per document), then the repeats",
+        f"{'':<{width}}" + "".join(f"{label:>{cell_width}}" for _, label in PREFIX_CACHE_RUNS),
+    ]
+    for label, key, fmt in rows:
+        cells = []
+        for run_key, _ in PREFIX_CACHE_RUNS:
+            value = compared[run_key].get(key)
+            if value is not None and fmt == "ms":
+                value, fmt_used = value * 1000, ".1f"
+            else:
+                fmt_used = fmt
+            cells.append("-" if value is None else format(value, fmt_used))
+        lines.append(f"{label:<{width}}" + "".join(f"{cell:>{cell_width}}" for cell in cells))
+    lines.append(f"{'outputs identical, on vs off':<{width}}"
+                 f"{compared['num_outputs_identical']:>{cell_width}} / "
+                 f"{compared['num_outputs_compared']}")
+
+    def ratio(value: float | None, suffix: str = "x") -> str:
+        return "-" if value is None else f"{value:.2f}{suffix}"
+
+    for label, key in (("repeats", "repeats_on_vs_off"), ("first questions", "first_on_vs_off")):
+        r = compared[key]
+        lines.append(
+            f"cache on / off, {label}: TTFT {ratio(r['mean_ttft_speedup'])} faster (mean), "
+            f"{ratio(r['median_ttft_speedup'])} (p50), {ratio(r['p99_ttft_speedup'])} (p99); "
+            f"output tokens/s {ratio(r['output_tokens_per_s_ratio'])}; prompt tokens computed "
+            f"{ratio(r['prompt_tokens_computed_ratio'])}")
+    if compared["cache_on_first"]["num_cached_tokens"]:
+        lines.append("NOTE: the first questions found cached tokens with the cache on (a KV tier "
+                     "kept from an earlier run?): that batch was not cold")
+    return "\n".join(lines)
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -70,6 +70,7 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Give the request blocks for `num_new_tokens` more tokens; None if the pool is short.
 
@@ -80,6 +81,8 @@ class KVCacheManager:
                                        | known tokens | draft tokens   |
         ```
         Only blocks full of known tokens enter the prefix-cache index.
+        delay_cache_blocks: the new blocks are to be loaded from a KV tier, not computed: index
+        them once loaded and verified (`cache_blocks`), so nothing hits them before.
         """
         assert num_new_tokens > 0
         hits = new_computed_blocks or []
@@ -102,7 +105,10 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         req_blocks.extend(new_blocks)
 
-        if self.enable_caching:
+        if delay_cache_blocks:
+            self.num_cached_blocks[request.request_id] = max(
+                self.num_cached_blocks.get(request.request_id, 0), len(hits))
+        elif self.enable_caching:
             # Blocks are indexed when scheduled, before their KV is written: the forward pass
             # writes every token's KV before any attention reads, so a request scheduled later
             # in this same step may already hit them.
@@ -116,6 +122,19 @@ class KVCacheManager:
             self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
             self.num_cached_blocks[request.request_id] = max(num_cached, num_full)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the request's full blocks up to `num_tokens` (their KV was loaded, not computed)."""
+        if not self.enable_caching:
+            return
+        req_blocks = self.req_to_blocks[request.request_id]
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+        )
+        self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
+        self.num_cached_blocks[request.request_id] = max(num_cached, num_full)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its chain's tail is evicted first."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedserve.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -68,6 +69,8 @@ class SchedulerOutput:
     grammar: GrammarOutput | None = None
     """Bitmask rows of the constrained requests that sample this step; the engine's structured
     output manager fills it after scheduling (None: no constrained request samples)."""
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """This step's KV tier loads and saves (None: none, or no connector)."""
 
     @classmethod
     def empty(cls, finished_req_ids: set[str]) -> SchedulerOutput:
@@ -104,6 +107,8 @@ class ModelRunnerOutput:
     """Logprobs of the prompt tokens computed this step."""
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """req_id -> draft tokens proposed for the next step (the scheduler caps them)."""
+    kv_connector_output: KVConnectorOutput | None = None
+    """KV tier loads finished since the last step, and transfer counters."""
 
 
 @dataclass
@@ -115,6 +120,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    num_tier_cached_tokens: int = 0
     first_scheduled_time: float | None = None
 
     @property

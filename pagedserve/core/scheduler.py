@@ -6,6 +6,13 @@ decodes are the same arithmetic. Running requests go first (decodes and unfinish
 then waiting requests fill what is left. When blocks run out, the lowest-priority running request
 is preempted: its blocks are freed and it is recomputed later.
 
+A KV tier (kv_transfer/) is a prefix hit that arrives later: the connector says how many tokens
+past the device pool's hit it can load; the request's blocks are reserved and it waits off the
+queues (WAITING_FOR_REMOTE_KVS) until the worker reports the blocks loaded and verified, then
+joins the running requests with those tokens computed (it holds blocks: were it to queue behind
+a request the pool cannot fit, neither could ever run). A load that fails part-way just leaves
+more to compute.
+
 Speculative decoding is the same arithmetic: a request's draft tokens (`spec_token_ids`) count as
 tokens to compute, and `update_from_output` moves `num_computed_tokens` back over the rejected ones.
 """
@@ -27,12 +34,15 @@ from pagedserve.core.outputs import (
 )
 from pagedserve.request import Request, RequestStatus
 from pagedserve.core.stats import SchedulerStats, SpecDecodingStats
+from pagedserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
+        """connector: the scheduler half of the KV tiers (None: KV lives in the pool only)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -43,6 +53,12 @@ class Scheduler:
         self._waiting: list[tuple[int, float, int, Request]] = []
         self._sequence = itertools.count()
         self.running: list[Request] = []
+        self.connector = connector
+        self._loading: dict[str, Request] = {}
+        """Requests whose blocks a KV tier is loading (aborted ones too, until the load ends:
+        their blocks are being written)."""
+        self._unknown_to_runner: set[str] = set()
+        """Running requests loaded from a tier that the runner has not been sent yet."""
         self._finished_req_ids: set[str] = set()
         """Finished or preempted since the last schedule(); the runner drops their state."""
         self.num_preemptions = 0
@@ -88,7 +104,7 @@ class Scheduler:
         return len(self._waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting or self.running)
+        return bool(self._waiting or self.running or self._loading)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -148,11 +164,13 @@ class Scheduler:
             self._waiting
             and not preempted
             and token_budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + len(self._loading) < self.config.max_num_seqs
             and len(num_scheduled) < max_num_reqs
         ):
             request = self._waiting[0][3]
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if self._start_load(request, computed_blocks, num_hit_tokens):
+                continue
             num_new_tokens = request.num_tokens - num_hit_tokens
             if self.config.long_prefill_token_threshold:
                 num_new_tokens = min(num_new_tokens, self.config.long_prefill_token_threshold)
@@ -185,6 +203,17 @@ class Scheduler:
                 )
             )
 
+        for req_id in self._unknown_to_runner & num_scheduled.keys():
+            request = self.requests[req_id]  # first scheduled since its load: new to the runner
+            new_reqs.append(NewRequestData(
+                req_id=req_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(req_id),
+                num_computed_tokens=request.num_computed_tokens,
+            ))
+            self._unknown_to_runner.discard(req_id)
         new_req_ids = {data.req_id for data in new_reqs}
         for req_id, block_ids in new_block_ids.items():
             if req_id in new_req_ids:
@@ -224,7 +253,55 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(0, min(num_tokens, num_prompt_left))
             request.num_computed_tokens += num_tokens
             request.num_steps_in_flight += 1
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(
+                self.requests, self.kv_cache_manager.get_block_ids, num_scheduled)
         return output
+
+    def _start_load(self, request: Request, computed_blocks, num_hit_tokens: int) -> bool:
+        """If a KV tier has more of the request's prefix and the connector will load it, reserve
+        the blocks and park the request until the load is done. False: schedule it as usual
+        (also when the pool is short now: it then computes what the tier had)."""
+        if self.connector is None or request.sampling_params.prompt_logprobs is not None:
+            return False
+        num_external = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+        if not num_external:
+            return False
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external, computed_blocks, delay_cache_blocks=True)
+        if new_blocks is None:
+            return False
+        heapq.heappop(self._waiting)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_hit_tokens
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = time.monotonic()
+        self._loading[request.request_id] = request
+        self.connector.update_state_after_alloc(
+            request, self.kv_cache_manager.get_block_ids(request.request_id), num_external)
+        return True
+
+    def _finish_loads(self, output: KVConnectorOutput) -> None:
+        """Requests whose tier load ended: the verified leading blocks count as computed and
+        join the prefix index; the request runs from there."""
+        self.connector.update_connector_output(output)
+        for req_id, num_blocks in output.finished_loads.items():
+            request = self._loading.pop(req_id)
+            num_loaded = num_blocks * self.block_size
+            num_asked = len(self.kv_cache_manager.req_to_blocks[req_id]) * self.block_size
+            self.connector.record_load_result(
+                num_loaded, max(0, num_asked - request.num_computed_tokens - num_loaded))
+            if request.is_finished:  # aborted while loading
+                self.kv_cache_manager.free(request)
+                continue
+            request.num_computed_tokens += num_loaded
+            request.num_tier_cached_tokens = num_loaded
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._unknown_to_runner.add(req_id)
 
     @staticmethod
     def _preemption_order(request: Request) -> tuple[int, float, int]:
@@ -239,6 +316,7 @@ class Scheduler:
         return min(num_new_tokens, token_budget)
 
     def _preempt(self, request: Request) -> None:
+        self._unknown_to_runner.discard(request.request_id)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -255,6 +333,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
+        if runner_output.kv_connector_output is not None and self.connector is not None:
+            self._finish_loads(runner_output.kv_connector_output)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is not None:
@@ -308,6 +388,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    num_tier_cached_tokens=request.num_tier_cached_tokens,
                     first_scheduled_time=request.times.first_scheduled,
                 )
             )
@@ -340,6 +421,17 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Its blocks are being written: they are freed when the load ends.
+                request.status = status
+                request.stop_reason = stop_reason
+                request.times.finished = time.monotonic()
+                self._finished_req_ids.add(req_id)
+                del self.requests[req_id]
+                if self.connector is not None:
+                    self.connector.request_finished(request)
+                finished.append(request)
+                continue
             else:
                 self._waiting = [entry for entry in self._waiting if entry[3] is not request]
                 heapq.heapify(self._waiting)
@@ -360,7 +452,10 @@ class Scheduler:
         assert request.is_finished
         if request in self.running:
             self.running.remove(request)
+        self._unknown_to_runner.discard(request.request_id)
         self.kv_cache_manager.free(request)
+        if self.connector is not None:
+            self.connector.request_finished(request)
         request.times.finished = time.monotonic()
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -371,7 +466,8 @@ class Scheduler:
         prefix = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self._waiting),
+            num_waiting_reqs=len(self._waiting) + sum(
+                not r.is_finished for r in self._loading.values()),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
@@ -379,6 +475,7 @@ class Scheduler:
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generation_tokens=self.num_generation_tokens,
             spec_decoding=self.spec_decoding_stats.copy(),
+            kv_tier=self.connector.get_stats() if self.connector is not None else None,
         )
 
     def check_integrity(self) -> None:
@@ -390,6 +487,13 @@ class Scheduler:
                 raise RuntimeError(f"{request.request_id} is waiting with status {request.status}")
             if request.request_id in self.kv_cache_manager.req_to_blocks:
                 raise RuntimeError(f"waiting request {request.request_id} holds blocks")
+        if self._unknown_to_runner - {r.request_id for r in self.running}:
+            raise RuntimeError("a request loaded from a tier is not running")
+        for req_id, request in self._loading.items():
+            if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS and not request.is_finished:
+                raise RuntimeError(f"{req_id} is loading with status {request.status}")
+            if req_id not in self.kv_cache_manager.req_to_blocks:
+                raise RuntimeError(f"{req_id} is loading into no blocks")
         for request in self.running:
             if request.status != RequestStatus.RUNNING:
                 raise RuntimeError(f"{request.request_id} is running with status {request.status}")
@@ -412,8 +516,11 @@ class Scheduler:
                     f"{request.request_id} computed {request.num_computed_tokens} tokens "
                     f"but holds only {num_blocks} blocks"
                 )
-        live = {r.request_id for r in waiting} | {r.request_id for r in self.running}
-        if len(live) != len(waiting) + len(self.running) or live != set(self.requests):
+        loading = {r for r, req in self._loading.items() if not req.is_finished}
+        live = ({r.request_id for r in waiting} | {r.request_id for r in self.running} | loading)
+        if (len(live) != len(waiting) + len(self.running) + len(loading)
+                or live != set(self.requests)):
             raise RuntimeError(f"queues {sorted(live)} != requests {sorted(self.requests)}")
-        if set(self.kv_cache_manager.req_to_blocks) - {r.request_id for r in self.running}:
-            raise RuntimeError("a request that is not running holds blocks")
+        holders = {r.request_id for r in self.running} | set(self._loading)
+        if set(self.kv_cache_manager.req_to_blocks) - holders:
+            raise RuntimeError("a request that is neither running nor loading holds blocks")

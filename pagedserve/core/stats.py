@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.kv_transfer.base import KVTierStats
 from pagedserve.structured_output.stats import StructuredOutputStats
 
 
@@ -69,3 +70,5 @@ class SchedulerStats:
     """Counters of speculative decoding (all zero when it is off)."""
     structured_output: StructuredOutputStats = field(default_factory=StructuredOutputStats)
     """Counters of constrained decoding; the engine fills them (its manager owns them)."""
+    kv_tier: KVTierStats | None = None
+    """Counters of the KV tiers (None: no connector)."""

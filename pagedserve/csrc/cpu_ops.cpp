@@ -4,12 +4,16 @@
 // plain-torch reference in the Python layers, and tests/kernels/ and tests/attention/ compare them.
 //
 // Statistics, scores and accumulators are fp32: bf16 inputs widen exactly, results round once when
-// stored. The quantized matmul's own numerics are described at quant_linear.
+// stored. The quantized matmul's own numerics are described at quant_linear. The attention kernels
+// and write_kv also take a quantized KV cache (int8 / fp8 e4m3 codes, one fp16 scale per head and
+// token; pagedserve/attention/kv_cache.py), dequantizing each row as they load it.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -49,6 +53,8 @@ constexpr int64_t kGroup = 32;
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+inline float to_float(c10::Float8_e4m3fn v) { return static_cast<float>(v); }
 
 template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }
@@ -64,6 +70,19 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// KV cache codes, exactly (their scale is applied by the caller).
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// e4m3 (s eeee mmm, bias 7) placed in an fp16 (s eeeee mmmmmmmmmm, bias 15) as s 0eeee mmm0000000
+// is the same number times 2^-8, subnormals included (AVX-512 has no fp8 conversion). The byte,
+// sign-extended to 16 bits and shifted left by 7, has s in bit 15 and eeeemmm in bits 13..7; bit
+// 14 (a copy of s) is cleared.
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half_bits = _mm256_and_si256(_mm256_slli_epi16(words, 7), _mm256_set1_epi16(-0x4080));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half_bits), _mm512_set1_ps(256.f));
 }
 
 // bf16 bits of 16 floats, rounded to nearest even (as c10::BFloat16 converts).
@@ -668,6 +687,37 @@ void attention_scores(const T* q, const T* const* krows, int64_t len, int64_t d,
   }
 }
 
+// Scores against a quantized cache: s[p] = (q . codes[p]) * key_scales[p], the query widened to
+// fp32 and key_scales holding each key's scale times the softmax scale.
+template <typename C>
+void attention_scores_codes(const float* q, const C* const* krows, const float* key_scales,
+                            int64_t len, int64_t d, float* s) {
+#ifdef PAGEDSERVE_AVX512
+  if (d % 16 == 0) {
+    for (int64_t p0 = 0; p0 < len; p0 += 16) {
+      const int64_t count = std::min<int64_t>(16, len - p0);
+      const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+      __m512 partial[16];
+      for (int i = 0; i < 16; ++i) {
+        partial[i] = _mm512_setzero_ps();
+        if (i >= count) continue;
+        for (int64_t j = 0; j < d; j += 16) {
+          partial[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), load16(krows[p0 + i] + j), partial[i]);
+        }
+      }
+      const __m512 scales = _mm512_maskz_loadu_ps(valid, key_scales + p0);
+      _mm512_mask_storeu_ps(s + p0, valid, _mm512_mul_ps(sum16(partial), scales));
+    }
+    return;
+  }
+#endif
+  for (int64_t p = 0; p < len; ++p) {
+    float dot = 0.f;
+    for (int64_t i = 0; i < d; ++i) dot += q[i] * to_float(krows[p][i]);
+    s[p] = dot * key_scales[p];
+  }
+}
+
 // s <- softmax(s) in place.
 inline void softmax_inplace(float* s, int64_t len) {
   const float mx = *std::max_element(s, s + len);
@@ -688,23 +738,31 @@ inline void softmax_inplace(float* s, int64_t len) {
   for (p = 0; p < len; ++p) s[p] *= inv;
 }
 
-template <typename T>
-void paged_attention_impl(const T* q, int64_t q_token_stride, const T* key_cache,
-                          const T* value_cache, int64_t num_cache_blocks, int64_t block_size,
-                          const int64_t* block_table, int64_t table_stride,
+// C: the cache's element type, T itself or int8 / fp8 codes; then key_scale and value_scale are
+// (Hkv, num_blocks, block_size) fp16, else unused. A quantized key enters the scores as
+// (q . codes) * scale (q widened to fp32), a value the weighted sum as codes with weight
+// p * scale.
+template <typename T, typename C>
+void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache,
+                          const C* value_cache, const c10::Half* key_scale,
+                          const c10::Half* value_scale, int64_t num_cache_blocks,
+                          int64_t block_size, const int64_t* block_table, int64_t table_stride,
                           const int64_t* block_rows, const int64_t* seq_lens, int64_t tokens,
                           int64_t heads, int64_t kv_heads, int64_t d, float scale, T* out) {
+  constexpr bool kQuantized = !std::is_same<T, C>::value;
   const int64_t group = heads / kv_heads;
   const int64_t head_stride = num_cache_blocks * block_size * d;  // one KV head's whole cache
   at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(group * d), scores;
-    std::vector<const T*> krows, vrows;
+    // quantized only: the widened queries, per-key scales
+    std::vector<float> q32(kQuantized ? group * d : 0), key_scales, value_scales;
+    std::vector<const C*> krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / kv_heads, h = task % kv_heads;
       const int64_t len = seq_lens[t];
       const int64_t* blocks = block_table + block_rows[t] * table_stride;
-      const T* kh = key_cache + h * head_stride;
-      const T* vh = value_cache + h * head_stride;
+      const C* kh = key_cache + h * head_stride;
+      const C* vh = value_cache + h * head_stride;
       krows.resize(len);
       vrows.resize(len);
       for (int64_t b = 0, p = 0; p < len; ++b) {
@@ -715,14 +773,38 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const T* key_cache
         }
       }
       scores.resize(group * len);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        attention_scores(q + t * q_token_stride + (h * group + g) * d, krows.data(), len, d,
-                         scale, s);
-        softmax_inplace(s, len);
+      if constexpr (kQuantized) {
+        key_scales.resize(len);
+        value_scales.resize(len);
+        const int64_t head_slots = h * num_cache_blocks * block_size;
+        for (int64_t b = 0, p = 0; p < len; ++b) {
+          const int64_t first_slot = head_slots + blocks[b] * block_size;
+          for (int64_t offset = 0; offset < block_size && p < len; ++offset, ++p) {
+            key_scales[p] = static_cast<float>(key_scale[first_slot + offset]) * scale;
+            value_scales[p] = static_cast<float>(value_scale[first_slot + offset]);
+          }
+        }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        weighted_sum(vrows.data(), scores.data() + g * len, len, d, acc.data() + g * d);
+      if constexpr (kQuantized) {
+        const T* qt = q + t * q_token_stride + h * group * d;  // the group's G query heads
+        widen_row(qt, q32.data(), group * d);
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * len;
+          attention_scores_codes(q32.data() + g * d, krows.data(), key_scales.data(), len, d, s);
+          softmax_inplace(s, len);
+          for (int64_t p = 0; p < len; ++p) s[p] *= value_scales[p];
+          weighted_sum(vrows.data(), s, len, d, acc.data() + g * d);
+        }
+      } else {
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * len;
+          attention_scores(q + t * q_token_stride + (h * group + g) * d, krows.data(), len, d,
+                           scale, s);
+          softmax_inplace(s, len);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          weighted_sum(vrows.data(), scores.data() + g * len, len, d, acc.data() + g * d);
+        }
       }
       for (int64_t g = 0; g < group; ++g) {
         T* o = out + (t * heads + h * group + g) * d;
@@ -732,14 +814,45 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const T* key_cache
   });
 }
 
+// The element types of a quantized KV cache's codes.
+#define DISPATCH_KV_CODES(TYPE, NAME, ...)                                                  \
+  [&] {                                                                                    \
+    if ((TYPE) == at::kChar) {                                                             \
+      using cache_t = int8_t;                                                              \
+      return __VA_ARGS__();                                                                \
+    }                                                                                      \
+    TORCH_CHECK((TYPE) == at::kFloat8_e4m3fn, NAME ": quantized KV is int8 or float8_e4m3fn"); \
+    using cache_t = c10::Float8_e4m3fn;                                                    \
+    return __VA_ARGS__();                                                                  \
+  }()
+
+// A quantized cache's scales: both given or neither, (Hkv, num_blocks, block_size) fp16 each.
+bool check_kv_scales(const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                     const c10::optional<torch::Tensor>& key_scale,
+                     const c10::optional<torch::Tensor>& value_scale) {
+  TORCH_CHECK(key_scale.has_value() == value_scale.has_value(), "key and value scales, or neither");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "key and value dtypes differ");
+  if (!key_scale) return false;
+  for (const torch::Tensor* s : {&*key_scale, &*value_scale}) {
+    TORCH_CHECK(s->scalar_type() == torch::kHalf && s->is_contiguous() && s->dim() == 3 &&
+                    s->size(0) == key_cache.size(0) && s->size(1) == key_cache.size(1) &&
+                    s->size(2) == key_cache.size(2),
+                "scales must be contiguous fp16 (Hkv, num_blocks, block_size)");
+  }
+  return true;
+}
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_table, torch::Tensor block_rows,
-                              torch::Tensor seq_lens, double scale) {
+                              torch::Tensor seq_lens, double scale,
+                              c10::optional<torch::Tensor> key_scale,
+                              c10::optional<torch::Tensor> value_scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be (T, H, D) with dense heads");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "caches must be contiguous (Hkv, num_blocks, block_size, D)");
-  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type(), "q and cache dtypes differ");
+  const bool quantized = check_kv_scales(key_cache, value_cache, key_scale, value_scale);
+  TORCH_CHECK(quantized || key_cache.scalar_type() == q.scalar_type(), "q and cache dtypes differ");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.stride(1) == 1,
               "block_table must be int64 with dense rows");
   const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
@@ -750,12 +863,24 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::T
   TORCH_CHECK(rows.numel() == tokens && lens.numel() == tokens, "one row and length per token");
   torch::Tensor out = torch::empty({tokens, heads, d}, q.options());
   DISPATCH_FLOAT_OR_BF16(q.scalar_type(), "paged_attention", [&] {
-    paged_attention_impl<scalar_t>(
-        q.data_ptr<scalar_t>(), q.stride(0), key_cache.data_ptr<scalar_t>(),
-        value_cache.data_ptr<scalar_t>(), key_cache.size(1), key_cache.size(2),
-        block_table.data_ptr<int64_t>(), block_table.stride(0), rows.data_ptr<int64_t>(),
-        lens.data_ptr<int64_t>(), tokens, heads, kv_heads, d, static_cast<float>(scale),
-        out.data_ptr<scalar_t>());
+    if (!quantized) {
+      paged_attention_impl<scalar_t, scalar_t>(
+          q.data_ptr<scalar_t>(), q.stride(0), key_cache.data_ptr<scalar_t>(),
+          value_cache.data_ptr<scalar_t>(), nullptr, nullptr, key_cache.size(1),
+          key_cache.size(2), block_table.data_ptr<int64_t>(), block_table.stride(0),
+          rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), tokens, heads, kv_heads, d,
+          static_cast<float>(scale), out.data_ptr<scalar_t>());
+      return;
+    }
+    DISPATCH_KV_CODES(key_cache.scalar_type(), "paged_attention", [&] {
+      paged_attention_impl<scalar_t, cache_t>(
+          q.data_ptr<scalar_t>(), q.stride(0), key_cache.data_ptr<cache_t>(),
+          value_cache.data_ptr<cache_t>(), key_scale->data_ptr<c10::Half>(),
+          value_scale->data_ptr<c10::Half>(), key_cache.size(1), key_cache.size(2),
+          block_table.data_ptr<int64_t>(), block_table.stride(0), rows.data_ptr<int64_t>(),
+          lens.data_ptr<int64_t>(), tokens, heads, kv_heads, d, static_cast<float>(scale),
+          out.data_ptr<scalar_t>());
+    });
   });
   return out;
 }
@@ -769,7 +894,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::T
 //   kt[block][p][key]  = 32-bit word (K[key][2p], K[key][2p + 1])   -> q . k for 16 keys at once
 //   vt[block][kp][dim] = 32-bit word (V[2kp][dim], V[2kp + 1][dim]) -> p . v for 16 dims at once
 // Scores, softmax and accumulators are fp32; the probabilities enter the value product rounded
-// to bf16, as in the bf16 matmul they replace.
+// to bf16, as in the bf16 matmul they replace. A quantized cache is dequantized to bf16 (code *
+// scale in fp32, rounded once, as the torch path does) while the tiles are laid out.
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
 #define PAGEDSERVE_FLASH 1
@@ -861,36 +987,64 @@ void flash_rows(const c10::BFloat16* const* q, const int64_t* visible, const uin
   }
 }
 
-template <int DC>
-void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BFloat16* key_cache,
-                   const c10::BFloat16* value_cache, int64_t num_cache_blocks, int64_t block_size,
-                   const int64_t* block_ids, int64_t context_len, int64_t tokens, int64_t heads,
-                   int64_t kv_heads, float scale, c10::BFloat16* out) {
+// The bf16 rows at `count` slots of one KV head (kD values each): a bf16 cache's own rows, or a
+// quantized cache's rows dequantized into buf (kKeyTile * kD values).
+template <int64_t kD>
+inline void bf16_rows(const c10::BFloat16* head, const c10::Half* /*head_scales*/,
+                      const int64_t* slots, int64_t count, c10::BFloat16* /*buf*/,
+                      const c10::BFloat16** rows) {
+  for (int64_t j = 0; j < count; ++j) rows[j] = head + slots[j] * kD;
+}
+template <int64_t kD, typename C>
+inline void bf16_rows(const C* head, const c10::Half* head_scales, const int64_t* slots,
+                      int64_t count, c10::BFloat16* buf, const c10::BFloat16** rows) {
+  for (int64_t j = 0; j < count; ++j) {
+    const C* codes = head + slots[j] * kD;
+    const float row_scale = static_cast<float>(head_scales[slots[j]]);
+    c10::BFloat16* row = buf + j * kD;
+    for (int64_t i = 0; i < kD; ++i) row[i] = c10::BFloat16(to_float(codes[i]) * row_scale);
+    rows[j] = row;
+  }
+}
+
+// C: c10::BFloat16, or int8 / fp8 codes with (Hkv, num_blocks, block_size) fp16 scales.
+template <int DC, typename C>
+void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_cache,
+                   const C* value_cache, const c10::Half* key_scale, const c10::Half* value_scale,
+                   int64_t num_cache_blocks, int64_t block_size, const int64_t* block_ids,
+                   int64_t context_len, int64_t tokens, int64_t heads, int64_t kv_heads,
+                   float scale, c10::BFloat16* out) {
   constexpr int64_t kD = DC * 16, kPairs = kD / 2;
   const int64_t group = heads / kv_heads;
   const int64_t seq_len = context_len + tokens;
   const int64_t tiles = (seq_len + kKeyTile - 1) / kKeyTile;
-  const int64_t head_stride = num_cache_blocks * block_size * kD;
+  const int64_t head_slots = num_cache_blocks * block_size;
+  const int64_t head_stride = head_slots * kD;
   // kt, vt per KV head: tiles * 16 keys * D / 2 words each; keys past seq_len are zero.
   std::vector<uint32_t> kt(kv_heads * tiles * kKeyTile * kPairs, 0);
   std::vector<uint32_t> vt(kv_heads * tiles * kKeyTile * kPairs, 0);
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    c10::BFloat16 buf[kKeyTile * kD];  // dequantized rows (quantized caches only)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / tiles, tile = task % tiles;
       uint32_t* kt_tile = kt.data() + task * kKeyTile * kPairs;
       uint32_t* vt_tile = vt.data() + task * kKeyTile * kPairs;
       const c10::BFloat16* rows[kKeyTile];
+      int64_t slots[kKeyTile];
       const int64_t first = tile * kKeyTile, count = std::min(kKeyTile, seq_len - first);
       for (int64_t j = 0; j < count; ++j) {
         const int64_t pos = first + j;
-        rows[j] = key_cache + h * head_stride +
-                  (block_ids[pos / block_size] * block_size + pos % block_size) * kD;
+        slots[j] = block_ids[pos / block_size] * block_size + pos % block_size;
       }
+      // a bf16 cache has no scales (null) and bf16_rows ignores them
+      const c10::Half* k_scales = key_scale ? key_scale + h * head_slots : nullptr;
+      const c10::Half* v_scales = value_scale ? value_scale + h * head_slots : nullptr;
+      bf16_rows<kD>(key_cache + h * head_stride, k_scales, slots, count, buf, rows);
       for (int64_t j = 0; j < count; ++j) {
         const uint32_t* words = reinterpret_cast<const uint32_t*>(rows[j]);
         for (int64_t p = 0; p < kPairs; ++p) kt_tile[p * kKeyTile + j] = words[p];
       }
-      for (int64_t j = 0; j < count; ++j) rows[j] += value_cache - key_cache;  // same slots in V
+      bf16_rows<kD>(value_cache + h * head_stride, v_scales, slots, count, buf, rows);
       for (int64_t kp = 0; kp < (count + 1) / 2; ++kp) {
         const c10::BFloat16* even = rows[2 * kp];
         const c10::BFloat16 zero(0.f);
@@ -938,10 +1092,14 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BF
 // One request's prefill chunk (see above); bf16 with head_dim 64 or 128 only (the caller keeps its
 // torch path otherwise: `prefill_attention_supported`).
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                torch::Tensor block_ids, int64_t context_len, double scale) {
+                                torch::Tensor block_ids, int64_t context_len, double scale,
+                                c10::optional<torch::Tensor> key_scale,
+                                c10::optional<torch::Tensor> value_scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be (T, H, D) with dense heads");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && key_cache.scalar_type() == torch::kBFloat16,
+  const bool quantized = check_kv_scales(key_cache, value_cache, key_scale, value_scale);
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 &&
+                  (quantized || key_cache.scalar_type() == torch::kBFloat16),
               "bf16 only");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches contiguous");
   const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
@@ -951,11 +1109,18 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch:
   torch::Tensor out = torch::empty({tokens, heads, d}, q.options());
 #ifdef PAGEDSERVE_FLASH
   auto run = [&](auto dc) {
-    flash_prefill<decltype(dc)::value>(
-        q.data_ptr<c10::BFloat16>(), q.stride(0), key_cache.data_ptr<c10::BFloat16>(),
-        value_cache.data_ptr<c10::BFloat16>(), key_cache.size(1), block_size,
-        ids.data_ptr<int64_t>(), context_len, tokens, heads, kv_heads, static_cast<float>(scale),
-        out.data_ptr<c10::BFloat16>());
+    auto run_with = [&](auto* cache_type) {
+      using C = std::remove_pointer_t<decltype(cache_type)>;
+      flash_prefill<decltype(dc)::value, C>(
+          q.data_ptr<c10::BFloat16>(), q.stride(0), key_cache.data_ptr<C>(),
+          value_cache.data_ptr<C>(), quantized ? key_scale->data_ptr<c10::Half>() : nullptr,
+          quantized ? value_scale->data_ptr<c10::Half>() : nullptr, key_cache.size(1),
+          block_size, ids.data_ptr<int64_t>(), context_len, tokens, heads, kv_heads,
+          static_cast<float>(scale), out.data_ptr<c10::BFloat16>());
+    };
+    if (!quantized) return run_with(static_cast<c10::BFloat16*>(nullptr));
+    DISPATCH_KV_CODES(key_cache.scalar_type(), "prefill_attention",
+                      [&] { run_with(static_cast<cache_t*>(nullptr)); });
   };
   if (d == 64) {
     run(std::integral_constant<int, 4>());
@@ -980,24 +1145,80 @@ bool prefill_attention_supported() {
 
 // ---------------------------------------------------------------------------------------------
 // Store this step's K and V rows at their cache slots. k, v: (T, Hkv, D) views with dense heads;
-// caches (Hkv, num_blocks * block_size, D) in effect.
+// caches (Hkv, num_blocks * block_size, D) in effect. A quantized cache gets each row's codes and
+// its fp16 scale at the same slot of the (Hkv, num_blocks * block_size) scales, computed exactly
+// as attention/kv_cache.py quantize_kv does (same fp32 operations, same roundings: same bits).
+
+constexpr float kScaleMin = 6.103515625e-05f;  // 2^-14, kv_cache.SCALE_MIN
+constexpr float kScaleMax = 65504.f;           // kv_cache.SCALE_MAX
+
+inline int8_t quantize_code(float x, int8_t*) {
+  return static_cast<int8_t>(std::min(std::max(std::nearbyint(x), -127.f), 127.f));
+}
+inline c10::Float8_e4m3fn quantize_code(float x, c10::Float8_e4m3fn*) {
+  return c10::Float8_e4m3fn(std::min(std::max(x, -448.f), 448.f));
+}
+inline float quant_max(int8_t*) { return 127.f; }
+inline float quant_max(c10::Float8_e4m3fn*) { return 448.f; }
+
+// One row of D values -> its codes and scale.
+template <typename T, typename C>
+inline void quantize_row_to(const T* x, int64_t d, C* codes, c10::Half* scale) {
+  float absmax = 0.f;
+  for (int64_t i = 0; i < d; ++i) absmax = std::max(absmax, std::abs(to_float(x[i])));
+  const c10::Half rounded(std::min(std::max(absmax / quant_max(codes), kScaleMin), kScaleMax));
+  const float s = static_cast<float>(rounded);
+  for (int64_t i = 0; i < d; ++i) codes[i] = quantize_code(to_float(x[i]) / s, codes);
+  *scale = rounded;
+}
+
+template <typename T, typename C>
+void write_kv_quantized(C* key_cache, C* value_cache, c10::Half* key_scale, c10::Half* value_scale,
+                        const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+                        const int64_t* slots, int64_t num_slots, int64_t tokens, int64_t kv_heads,
+                        int64_t d) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t slot = h * num_slots + slots[t];
+      quantize_row_to(k + t * k_stride + h * d, d, key_cache + slot * d, key_scale + slot);
+      quantize_row_to(v + t * v_stride + h * d, d, value_cache + slot * d, value_scale + slot);
+    }
+  }
+}
 
 void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor k, torch::Tensor v,
-              torch::Tensor slot_mapping) {
+              torch::Tensor slot_mapping, c10::optional<torch::Tensor> key_scale,
+              c10::optional<torch::Tensor> value_scale) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches contiguous");
+  const bool quantized = check_kv_scales(key_cache, value_cache, key_scale, value_scale);
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
                   v.stride(1) == v.size(2), "k, v must have dense heads");
   const int64_t tokens = k.size(0), kv_heads = k.size(1), d = k.size(2);
   const int64_t slots = key_cache.numel() / (kv_heads * d);
   torch::Tensor slot = slot_mapping.to(torch::kInt64).contiguous();
   const int64_t* sp = slot.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot out of range");
+  if (quantized) {
+    TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v dtypes differ");
+    DISPATCH_FLOAT_OR_BF16(k.scalar_type(), "write_kv", [&] {
+      DISPATCH_KV_CODES(key_cache.scalar_type(), "write_kv", [&] {
+        write_kv_quantized<scalar_t, cache_t>(
+            key_cache.data_ptr<cache_t>(), value_cache.data_ptr<cache_t>(),
+            key_scale->data_ptr<c10::Half>(), value_scale->data_ptr<c10::Half>(),
+            k.data_ptr<scalar_t>(), k.stride(0), v.data_ptr<scalar_t>(), v.stride(0), sp, slots,
+            tokens, kv_heads, d);
+      });
+    });
+    return;
+  }
+  TORCH_CHECK(k.scalar_type() == key_cache.scalar_type() && v.scalar_type() == key_cache.scalar_type(),
+              "k, v and cache dtypes differ");
   const int64_t elem = key_cache.element_size();
   auto* kc = static_cast<char*>(key_cache.data_ptr());
   auto* vc = static_cast<char*>(value_cache.data_ptr());
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot out of range");
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t dst = (h * slots + sp[t]) * d * elem;
       std::memcpy(kc + dst, kp + (t * k.stride(0) + h * d) * elem, d * elem);
@@ -1052,11 +1273,12 @@ class DecoderStack {
                                           parsed[2], parsed[3]});
   }
 
-  // hidden: (T, hidden) embeddings; kv_caches: per layer (key, value). Every token t reads
-  // positions [0, seq_lens[t]) of block-table row block_rows[t]. Returns the final-normed
-  // hidden states after the first num_layers layers.
+  // hidden: (T, hidden) embeddings; kv_caches: per layer (key, value), or (key, value,
+  // key_scale, value_scale) for a quantized cache. Every token t reads positions
+  // [0, seq_lens[t]) of block-table row block_rows[t]. Returns the final-normed hidden states
+  // after the first num_layers layers.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions,
-                        const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
+                        const std::vector<std::vector<torch::Tensor>>& kv_caches,
                         torch::Tensor slot_mapping, torch::Tensor block_table,
                         torch::Tensor block_rows, torch::Tensor seq_lens, int64_t num_layers) {
     const int64_t tokens = hidden.size(0);
@@ -1077,9 +1299,12 @@ class DecoderStack {
       torch::Tensor v =
           qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
       const auto& cache = kv_caches[i];
-      write_kv(cache.first, cache.second, k, v, slot_mapping);
-      torch::Tensor attn = paged_attention(q, cache.first, cache.second, block_table, block_rows,
-                                           seq_lens, scale);
+      TORCH_CHECK(cache.size() == 2 || cache.size() == 4, "a layer's KV cache has 2 or 4 tensors");
+      c10::optional<torch::Tensor> key_scale, value_scale;
+      if (cache.size() == 4) key_scale = cache[2], value_scale = cache[3];
+      write_kv(cache[0], cache[1], k, v, slot_mapping, key_scale, value_scale);
+      torch::Tensor attn = paged_attention(q, cache[0], cache[1], block_table, block_rows,
+                                           seq_lens, scale, key_scale, value_scale);
       x = layer.o(attn.view({tokens, q_size}));
       normed = add_rms_norm(x, residual, layer.post_attention_norm, eps_);
       residual = normed[1];
@@ -1102,9 +1327,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm after an optional residual add");
   m.def("rotary_inplace", &rotary_inplace, "rotary embedding on q and k in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("paged_attention", &paged_attention, "attention reading the paged cache in place");
-  m.def("write_kv", &write_kv, "store K/V rows at their cache slots");
-  m.def("prefill_attention", &prefill_attention, "one request's prefill chunk, flash-style");
+  m.def("paged_attention", &paged_attention, "attention reading the paged cache in place",
+        py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
+        py::arg("block_rows"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
+  m.def("write_kv", &write_kv, "store K/V rows (quantized: codes and scales) at their cache slots",
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("k"), py::arg("v"),
+        py::arg("slot_mapping"), py::arg("key_scale") = py::none(),
+        py::arg("value_scale") = py::none());
+  m.def("prefill_attention", &prefill_attention, "one request's prefill chunk, flash-style",
+        py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_ids"),
+        py::arg("context_len"), py::arg("scale"), py::arg("key_scale") = py::none(),
+        py::arg("value_scale") = py::none());
   m.def("prefill_attention_supported", &prefill_attention_supported);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,

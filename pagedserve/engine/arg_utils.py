@@ -6,29 +6,27 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 from dataclasses import dataclass, field
 
 from pagedserve.config import (
     CPU_BINDING_MODES,
+    KV_CACHE_DTYPES,
     QUANTIZATION_MODES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputConfig,
+    parse_size,
 )
 from pagedserve.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
 
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 """vLLM's short forms."""
-
-_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
-               "kb": 10**3, "mb": 10**6, "gb": 10**9}
-
 
 def _env_switch(name: str) -> bool:
     """An on/off environment variable: on unless set to "0". Read here only (the edge): the
@@ -36,28 +34,30 @@ def _env_switch(name: str) -> bool:
     return os.environ.get(name, "1") != "0"
 
 
-def parse_size(value: int | str) -> int:
-    """Bytes from 123, "512MiB", "2GiB" or "1.5GB"."""
-    if isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"cannot read a size from {value!r} (examples: 512MiB, 2GiB)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-
-
-def parse_speculative_config(value: dict | str | None) -> SpeculativeConfig | None:
-    """None, a dict of vLLM's keys, or the same as a JSON string (the CLI form)."""
-    if value is None:
-        return None
+def _json_object(value: dict | str, name: str) -> dict:
+    """A dict, or the same as a JSON string (the CLI form)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON: {value!r} ({e})") from None
+            raise ValueError(f"{name} is not valid JSON: {value!r} ({e})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a dict or JSON object, got {value!r}")
-    return SpeculativeConfig.from_dict(value)
+        raise ValueError(f"{name} must be a dict or JSON object, got {value!r}")
+    return value
+
+
+def parse_speculative_config(value: dict | str | None) -> SpeculativeConfig | None:
+    """None, a dict of vLLM's keys, or the same as a JSON string."""
+    if value is None:
+        return None
+    return SpeculativeConfig.from_dict(_json_object(value, "speculative_config"))
+
+
+def parse_kv_transfer_config(value: dict | str | None) -> KVTransferConfig | None:
+    """None, a dict of vLLM's keys, or the same as a JSON string."""
+    if value is None:
+        return None
+    return KVTransferConfig.from_dict(_json_object(value, "kv_transfer_config"))
 
 
 def _resolve_speculative_config(
@@ -95,6 +95,11 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     num_gpu_blocks_override: int | None = None
     """Fix the number of KV blocks instead of sizing the pool from memory."""
+    kv_cache_dtype: str = "auto"
+    """auto: KV in the compute dtype; int8 / fp8 (e4m3): quantized, scales stored beside it."""
+    kv_transfer_config: dict | str | None = None
+    """KV tiers, vLLM's keys, as a dict or JSON: e.g. {"kv_connector": "DiskConnector",
+    "kv_connector_extra_config": {"path": "/var/cache/pagedserve", "max_bytes": "20GiB"}}."""
     num_threads: int | None = None
     """torch threads on the CPU (default: the CPUs this process may run on, see os.sched_getaffinity)."""
     seed: int = 0
@@ -154,6 +159,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=parse_size(self.kv_cache_memory),
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -176,6 +182,7 @@ class EngineArgs:
                 compile_timeout_s=self.grammar_compile_timeout,
             ),
             parallel=self.create_parallel_config(),
+            kv_transfer=parse_kv_transfer_config(self.kv_transfer_config),
         )
 
     def create_parallel_config(self) -> ParallelConfig:
@@ -206,6 +213,12 @@ class EngineArgs:
                 parser.add_argument(flag, type=str, default=None,
                                     help='JSON, e.g. {"method": "ngram", '
                                          '"num_speculative_tokens": 4}')
+            elif f.name == "kv_transfer_config":
+                parser.add_argument(flag, type=str, default=None,
+                                    help='JSON, e.g. {"kv_connector": "DiskConnector", '
+                                         '"kv_connector_extra_config": {"path": "/tmp/kv"}}')
+            elif f.name == "kv_cache_dtype":
+                parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=f.default)
             elif f.name == "quantization":
                 parser.add_argument(flag, choices=QUANTIZATION_MODES, default=f.default)
             elif f.name == "kv_cache_memory":

@@ -64,7 +64,10 @@ class LLM:
         request_ids = []
         try:
             for prompt, params, prio in zip(prompts, params_list, priorities):
-                request_ids.append(self.engine.add_request(None, prompt, params, priority=prio))
+                # vLLM's prompt dicts may carry a cache salt: the tenant's prefix-cache namespace.
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                request_ids.append(self.engine.add_request(None, prompt, params, priority=prio,
+                                                           cache_salt=salt))
         except ValueError:
             self.engine.abort_request(request_ids)
             raise

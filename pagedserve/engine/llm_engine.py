@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -24,12 +25,16 @@ from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.executor import Executor
+from pagedserve.kv_transfer.cost_model import PrefillProfile, PrefillTiming
+from pagedserve.kv_transfer.tiered import TieredConnectorScheduler, parse_tiers
 from pagedserve.outputs import OutputKind, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.spec_decode.draft_model import check_same_tokenizer
 from pagedserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int] | dict[str, Any]
 """A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
@@ -64,10 +69,16 @@ class LLMEngine:
         if config.speculative is not None and config.parallel.world_size > 1:
             raise ValueError("speculative decoding does not run with tensor or pipeline "
                              "parallelism yet")
+        if config.kv_transfer is not None:
+            if config.parallel.world_size > 1:
+                raise ValueError("KV tiers (kv_transfer_config) do not run with tensor or "
+                                 "pipeline parallelism yet")
+            parse_tiers(config.kv_transfer, config.device.device)  # fail before loading weights
         self.executor = Executor.create(config, model=model)
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks=num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks=num_blocks,
+                                   connector=self._create_kv_connector(num_blocks))
         self._batch_queue: collections.deque[tuple[SchedulerOutput, Future]] = collections.deque()
         """Steps in flight, oldest first (more than one only with pipeline stages)."""
         if self.executor.max_concurrent_batches > 1:
@@ -83,6 +94,39 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.max_batches_in_flight = 0
         """Most steps seen in flight at once (more than one only with pipeline stages)."""
+
+    def _create_kv_connector(self, num_blocks: int) -> TieredConnectorScheduler | None:
+        """The KV tiers' scheduler half, its cost model calibrated on this engine's own prefill
+        (None: no tiers configured)."""
+        config = self.config
+        if config.kv_transfer is None:
+            return None
+        prefill = None
+        if parse_tiers(config.kv_transfer, config.device.device).load_policy == "cost":
+            prefill = PrefillProfile.fit(self._time_prefills(num_blocks))
+            logger.info("KV tier cost model: recomputing costs %.1f us/token + %.4f us/token per "
+                        "context token", prefill.seconds_per_token * 1e6,
+                        prefill.seconds_per_token_per_context * 1e6)
+        model = config.model
+        element_size = {"float32": 4}.get(config.device.dtype, 2)
+        if config.cache.cache_dtype != "auto":
+            element_size = 1
+        bytes_per_block = (2 * model.num_hidden_layers * config.cache.block_size
+                           * model.num_key_value_heads * model.head_dim * element_size)
+        return TieredConnectorScheduler(config, prefill, bytes_per_block)
+
+    def _time_prefills(self, num_blocks: int) -> list[PrefillTiming]:
+        """Time a prefill chunk at context 0 and after a long context (as long as the pool and
+        the context length allow), each the best of two after a warm-up."""
+        block_size = self.config.cache.block_size
+        num_tokens = min(128, self.config.scheduler.max_num_batched_tokens)
+        max_context = min((num_blocks - 2) * block_size - num_tokens,
+                          self.config.scheduler.max_model_len - num_tokens - 1, 1024)
+        contexts = [0] + ([max_context] if max_context >= num_tokens else [])
+        self.executor.time_prefill(num_tokens, 0)  # warm-up
+        return [PrefillTiming(num_tokens, context, min(
+                    self.executor.time_prefill(num_tokens, context) for _ in range(2)))
+                for context in contexts]
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -292,7 +336,9 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests() and not self._batch_queue:
             finished_req_ids = self.scheduler.take_finished_req_ids()
             if finished_req_ids:
-                self.executor.execute_model(SchedulerOutput.empty(finished_req_ids))
+                empty = SchedulerOutput.empty(finished_req_ids)
+                # Its output can only carry KV tier counters (no request runs): keep them.
+                self.scheduler.update_from_output(empty, self.executor.execute_model(empty))
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self._awaiting_grammar) or bool(self._batch_queue)
@@ -315,6 +361,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers (their processes, with more than one rank); safe to call twice."""
         self.executor.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
         self.structured_output_manager.shutdown()
 
     def check_integrity(self) -> None:

@@ -51,6 +51,7 @@ class RequestState:
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    num_tier_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -149,7 +150,9 @@ class OutputProcessor:
             state = self.requests[request_id]
             seq = state.sequences[out.req_id]
             touched[request_id] = state
-            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.num_cached_tokens > state.num_cached_tokens:
+                state.num_cached_tokens = out.num_cached_tokens
+                state.num_tier_cached_tokens = out.num_tier_cached_tokens
             if out.first_scheduled_time is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = out.first_scheduled_time
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
@@ -231,6 +234,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
+            num_tier_cached_tokens=state.num_tier_cached_tokens,
             metrics=state.metrics,
         )
 

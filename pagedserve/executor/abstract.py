@@ -51,6 +51,11 @@ class Executor(abc.ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.submit(scheduler_output).result()
 
+    def time_prefill(self, num_tokens: int, context_len: int) -> float:
+        """Seconds one prefill of `num_tokens` after `context_len` cached tokens takes, timed on
+        the workers before any request runs (the KV tiers' cost model)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot time a prefill")
+
     @abc.abstractmethod
     def check_idle(self) -> list[str]:
         """What the workers still hold for requests: empty when idle (tests assert it)."""

@@ -72,7 +72,8 @@ for _cls in (Hello, InitWorker, DetermineNumKVBlocks, InitializeKVCache, Execute
              Shutdown, WorkerReply, WorkerFailure, config_module.EngineConfig,
              config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
              config_module.DeviceConfig, config_module.SpeculativeConfig,
-             config_module.StructuredOutputConfig, config_module.ParallelConfig):
+             config_module.StructuredOutputConfig, config_module.ParallelConfig,
+             config_module.KVTransferConfig):
     serialization.register(_cls)
 
 _HEADER = struct.Struct(">I")

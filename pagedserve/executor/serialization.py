@@ -26,6 +26,13 @@ from pagedserve.core.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from pagedserve.kv_transfer.base import (
+    BlockTransfer,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    LoadJob,
+    TierCounters,
+)
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Wire format: msgpack's own types stand for themselves. Anything else is a one-entry map
@@ -252,5 +259,6 @@ def decode(data: bytes) -> Any:
 
 
 for _cls in (SchedulerOutput, NewRequestData, CachedRequestData, GrammarOutput, ModelRunnerOutput,
-             TokenLogprobs, EngineCoreOutput, SamplingParams, StructuredOutputsParams):
+             TokenLogprobs, EngineCoreOutput, SamplingParams, StructuredOutputsParams,
+             KVConnectorMetadata, LoadJob, BlockTransfer, KVConnectorOutput, TierCounters):
     register(_cls)

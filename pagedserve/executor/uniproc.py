@@ -30,6 +30,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def time_prefill(self, num_tokens: int, context_len: int) -> float:
+        return self.worker.time_prefill(num_tokens, context_len)
+
     def check_idle(self) -> list[str]:
         return self.worker.check_idle()
 

@@ -9,6 +9,10 @@ step has at most FUSED_MAX_TOKENS tokens; anything else runs the modules. It run
 in one call, with no all-reduce between layers and no stage boundary, so it is off under tensor or
 pipeline parallelism (the modules then run, reducing in the layers). Whether to use it at all is
 the model's KernelConfig.fused_decoder_layers (DeviceConfig; kernels/cpu_ops.py).
+
+It reads the KV cache of any --kv-cache-dtype: each layer's cache tuple goes to the same write_kv
+and paged_attention kernels the modules call, with the scales of a quantized (int8 / fp8) cache
+(tests/attention/test_quantized_kv.py checks it against the modules).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.attention.kv_cache import allocate_kv_caches
+from pagedserve.attention.kv_cache import KVCacheSpec
 from pagedserve.core.block_pool import BlockPool, KVCacheBlock
 from pagedserve.core.kv_cache_manager import cdiv
 
@@ -43,8 +43,13 @@ class DraftKVCache:
     ) -> None:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks, enable_caching=False)
-        self.kv_caches = allocate_kv_caches(num_layers, num_blocks, block_size, num_kv_heads,
-                                            head_dim, dtype, device)
+        # Always in the compute dtype, whatever --kv-cache-dtype (the attention backends read
+        # either kind, so a self-draft shares the target's layers). NOTE: the pool has the
+        # target's block count, outside the KV memory budget; a quantized target has ~2x the
+        # blocks, so this pool then takes ~2x the bytes it would beside a compute-dtype target.
+        self.kv_caches = KVCacheSpec.create(
+            "auto", dtype, num_layers, num_kv_heads, head_dim, block_size).allocate(
+                num_blocks, device)
         self.requests: dict[str, DraftRequestState] = {}
 
     def get_or_create(self, req_id: str) -> DraftRequestState:

@@ -7,6 +7,7 @@ and the sampler; it knows nothing about queues, priorities or text.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ import torch
 
 from pagedserve.attention import forward_context
 from pagedserve.attention.layer import Attention
-from pagedserve.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from pagedserve.attention.kv_cache import KVCache, KVCacheSpec
 from pagedserve.attention.metadata import build_attention_metadata
 from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
 from pagedserve.core.outputs import (
@@ -24,6 +25,7 @@ from pagedserve.core.outputs import (
     TokenLogprobs,
 )
 from pagedserve.distributed import get_pp_group
+from pagedserve.kv_transfer.base import KVConnectorWorker
 from pagedserve.sample.bitmask import apply_token_bitmask_
 from pagedserve.sample.rejection_sampler import RejectionSampler
 from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -78,22 +80,25 @@ class ModelRunner:
         self._pending_sends: list = []
         self._sent_tensors: list[torch.Tensor] = []
         """Hidden states sent to the next pipeline stage, kept alive until the send is done."""
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_cache_spec = KVCacheSpec.create(
+            cache_config.cache_dtype, self.dtype, self.num_local_layers, self.num_local_kv_heads,
+            model_config.head_dim, self.block_size)
+        """This rank's layers and KV heads; int8/fp8 codes with scales or the compute dtype."""
+        self.kv_caches: list[KVCache] = []
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.proposer = None
         self.requests: dict[str, CachedRequestState] = {}
+        self.kv_connector: KVConnectorWorker | None = None
+        """The worker half of the KV tiers (kv_transfer/); the worker sets it."""
 
     @property
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.num_local_layers, self.num_local_kv_heads,
-                                        self.model_config.head_dim, self.block_size, self.dtype)
+        return self.kv_cache_spec.bytes_per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate this rank's share of the paged KV cache (and the draft's, if any)."""
-        self.kv_caches = allocate_kv_caches(
-            self.num_local_layers, num_blocks, self.block_size, self.num_local_kv_heads,
-            self.model_config.head_dim, self.dtype, self.device)
+        self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device)
         if self.speculative_config is not None:
             self.proposer = create_proposer(self.speculative_config, TargetInfo(
                 self.model, self.model_config, num_blocks, self.block_size, self.dtype,
@@ -153,8 +158,11 @@ class ModelRunner:
         hidden states to the next stage instead."""
         self._update_states(scheduler_output)
         grammar_output = scheduler_output.grammar
+        connector_meta = scheduler_output.kv_connector_metadata
+        if self.kv_connector is not None and connector_meta is not None:
+            self.kv_connector.start_load_kv(connector_meta)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(kv_connector_output=self._connector_output(wait=True))
         # Decodes first: the attention backend batches the one-token queries together.
         req_ids = sorted(
             scheduler_output.num_scheduled_tokens,
@@ -185,6 +193,8 @@ class ModelRunner:
         intermediate_tensors = self._receive_intermediate(len(input_ids))
         with forward_context(meta):
             hidden_states = self.model(input_ids_t, positions_t, intermediate_tensors)
+        if self.kv_connector is not None and connector_meta is not None:
+            self.kv_connector.wait_for_save(connector_meta)
         if not self.pp_group.is_last_rank:
             for state, num_tokens in zip(states, num_scheduled):
                 state.num_computed_tokens += num_tokens
@@ -233,7 +243,36 @@ class ModelRunner:
             output.spec_token_ids = self.proposer.propose_batch(
                 {req_id: self.requests[req_id].token_ids for req_id in output.sampled_token_ids}
             )
+        output.kv_connector_output = self._connector_output(wait=False)
         return output
+
+    def _connector_output(self, wait: bool):
+        """The KV tiers' finished loads and counters (None: no connector, or nothing to say)."""
+        if self.kv_connector is None:
+            return None
+        connector_output = self.kv_connector.get_finished(wait)
+        return None if connector_output.is_empty else connector_output
+
+    @torch.inference_mode()
+    def time_prefill(self, num_tokens: int, context_len: int) -> float:
+        """Seconds one forward pass over `num_tokens` new tokens after `context_len` cached ones
+        takes: the KV tiers' cost model calibrates on it at start-up. Writes junk KV into the
+        first blocks, which no request holds yet."""
+        end = context_len + num_tokens
+        block_ids = list(range(1, 1 + -(-end // self.block_size)))
+        meta = build_attention_metadata([(block_ids, context_len, end)], self.block_size,
+                                        self.kv_caches, self.device)
+        input_ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,),
+                                  device=self.device)
+        positions = torch.arange(context_len, end, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        with forward_context(meta):
+            self.model(input_ids, positions, None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     # ---- pipeline stages --------------------------------------------------------------------
 

@@ -111,6 +111,20 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         with cpu_ops.building_with(self._kernel_config()):  # a separate draft model loads here
             self.model_runner.initialize_kv_cache(num_blocks)
+        if self.config.kv_transfer is not None:
+            from pagedserve.kv_transfer.tiered import open_stores, parse_tiers
+            from pagedserve.kv_transfer.tiered_worker import TieredConnectorWorker
+
+            options = parse_tiers(self.config.kv_transfer, self.config.device.device)
+            connector = TieredConnectorWorker(open_stores(self.config), options.num_load_threads,
+                                              options.max_pending_save_blocks, options.sync_saves)
+            connector.register_kv_caches(self.model_runner.kv_caches)
+            self.model_runner.kv_connector = connector
+
+    def time_prefill(self, num_tokens: int, context_len: int) -> float:
+        """Seconds a prefill of `num_tokens` after `context_len` cached tokens takes (the KV
+        tiers' cost model, before any request runs)."""
+        return self.model_runner.time_prefill(num_tokens, context_len)
 
     # ---- steps ------------------------------------------------------------------------------
 
@@ -130,6 +144,8 @@ class Worker:
         runner, problems = self.model_runner, []
         if runner.requests:
             problems.append(f"{len(runner.requests)} runner request states left")
+        if runner.kv_connector is not None and runner.kv_connector.num_loads_in_flight:
+            problems.append(f"{runner.kv_connector.num_loads_in_flight} KV tier loads in flight")
         if runner.proposer is not None:
             runner.proposer.check_integrity()
             if runner.proposer.num_requests:
@@ -138,5 +154,8 @@ class Worker:
         return problems
 
     def shutdown(self) -> None:
+        if self.model_runner is not None and self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.shutdown()  # writes the saves still queued
+            self.model_runner.kv_connector = None
         if self.config.parallel.world_size > 1:
             parallel_state.destroy_model_parallel()

@@ -71,7 +71,7 @@ def build_batch(backend, query_lens, context_lens, num_blocks=64, seed=0):
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+    backend.write_kv((key_cache, value_cache), k, v, meta.slot_mapping)
     return q, key_cache, value_cache, meta
 
 
@@ -90,14 +90,14 @@ def build_batch(backend, query_lens, context_lens, num_blocks=64, seed=0):
 def test_fast_matches_reference(backend, query_lens, context_lens):
     q, key_cache, value_cache, meta = build_batch(backend, query_lens, context_lens)
     expected = reference_paged_attention(q, key_cache, value_cache, meta)
-    actual = backend.forward(q, key_cache, value_cache, meta)
+    actual = backend.forward(q, (key_cache, value_cache), meta)
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_write_kv_lands_in_the_slots_the_table_names(backend):
     q, key_cache, value_cache, meta = build_batch(backend, [1, 3], [6, 2])
     k = torch.randn(4, NUM_KV_HEADS, HEAD_DIM)
-    backend.write_kv(key_cache, value_cache, k, k, meta.slot_mapping)
+    backend.write_kv((key_cache, value_cache), k, k, meta.slot_mapping)
     block_table = meta.block_table.tolist()
     # row 1 has 2 tokens of context and 3 new ones: batch tokens 1..3 go to positions 2..4
     for j, pos in enumerate(range(2, 5), start=1):
@@ -108,9 +108,9 @@ def test_write_kv_lands_in_the_slots_the_table_names(backend):
 def test_decode_mask_ignores_stale_blocks_past_the_sequence(backend):
     """Padded block-table entries (block 0) and stale slots past seq_len must not leak in."""
     q, key_cache, value_cache, meta = build_batch(backend, [1, 1], [2, 40])
-    expected = backend.forward(q, key_cache, value_cache, meta)
+    expected = backend.forward(q, (key_cache, value_cache), meta)
     key_cache[:, 0].fill_(1e4)  # the null block the short request's table is padded with
-    torch.testing.assert_close(backend.forward(q, key_cache, value_cache, meta), expected)
+    torch.testing.assert_close(backend.forward(q, (key_cache, value_cache), meta), expected)
 
 
 def test_bf16_matches_reference_within_bf16_rounding(backend):
@@ -118,7 +118,7 @@ def test_bf16_matches_reference_within_bf16_rounding(backend):
     q, key_cache, value_cache, meta = build_batch(backend, [1, 1, 1, 20], [7, 100, 33, 40])
     expected = reference_paged_attention(q, key_cache, value_cache, meta)
     actual = backend.forward(
-        q.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), meta
+        q.bfloat16(), (key_cache.bfloat16(), value_cache.bfloat16()), meta
     ).float()
     torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)
 
@@ -130,6 +130,6 @@ def test_bf16_prefill_chunks_match_reference(backend, query_lens, context_lens):
     q, key_cache, value_cache, meta = build_batch(backend, query_lens, context_lens)
     expected = reference_paged_attention(q, key_cache, value_cache, meta)
     actual = backend.forward(
-        q.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), meta
+        q.bfloat16(), (key_cache.bfloat16(), value_cache.bfloat16()), meta
     ).float()
     torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 from dataclasses import dataclass, field
 
@@ -27,6 +26,8 @@ class FakeServer:
     fail_every: int = 0
     """Every fail_every-th request (in arrival order) gets a 500; 0 = none."""
     send_usage: bool = True
+    prompt_tokens_details: dict | None = None
+    """Sent as usage.prompt_tokens_details when given."""
     chunk_text: str = " tok"
     bodies: list[dict] = field(default_factory=list)
     num_in_flight: int = 0
@@ -85,9 +86,11 @@ class FakeServer:
         if self.send_usage and request.get("stream_options", {}).get("include_usage"):
             prompt = request["messages"][0]["content"] if chat else request["prompt"]
             num_prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-            await event({"choices": [], "usage": {
-                "prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
-                "total_tokens": num_prompt_tokens + num_tokens}})
+            usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
+                     "total_tokens": num_prompt_tokens + num_tokens}
+            if self.prompt_tokens_details is not None:
+                usage["prompt_tokens_details"] = self.prompt_tokens_details
+            await event({"choices": [], "usage": usage})
         await event("[DONE]")
         writer.write(b"0\r\n\r\n")
         await writer.drain()
@@ -158,6 +161,27 @@ def test_completions_latencies_tokens_and_errors(tmp_path, capsys):
     assert all(len(r["itl_s"]) == 5 and r["output_tokens"] == 6 for r in ok)
     table = capsys.readouterr().out
     assert "Successful requests:" in table and "error x2: status 500: fake overload" in table
+
+
+def test_cached_tokens_kv_tier_share_and_hit_rate(capsys):
+    fake = FakeServer(first_delay_s=0, itl_s=0,
+                      prompt_tokens_details={"cached_tokens": 12, "kv_tier_cached_tokens": 4})
+    result = bench(fake, "--num-prompts", "3", "--input-len", "16", "--output-len", "2")
+    metrics = result["metrics"]
+    assert metrics["total_cached_tokens"] == 3 * 12
+    assert metrics["total_kv_tier_cached_tokens"] == 3 * 4
+    assert metrics["prefix_cache_hit_rate"] == pytest.approx(12 / 16)
+    assert all(r["num_kv_tier_cached_tokens"] == 4 for r in result["requests"])
+    table = capsys.readouterr().out
+    assert "of which from a KV tier:" in table and "75.0%" in table
+
+    # A server without KV tiers (vLLM's usage): no tier line, the hit rate still.
+    result = bench(FakeServer(first_delay_s=0, itl_s=0,
+                              prompt_tokens_details={"cached_tokens": 0}),
+                   "--num-prompts", "2", "--input-len", "16", "--output-len", "2")
+    assert result["metrics"]["total_kv_tier_cached_tokens"] is None
+    assert result["metrics"]["prefix_cache_hit_rate"] == 0
+    assert "KV tier" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("slo_flags", [("--slo-ttft-ms", "50"), ("--slo-tpot-ms", "5"),

@@ -144,6 +144,68 @@ def test_speculative_run_against_no_speculation_in_one_invocation(run_bench, cap
     assert "spec: mean accepted length" in out and "speedup spec / no spec" in out
 
 
+@pytest.mark.slow
+def test_prefix_cache_off_then_on_in_one_invocation(run_bench, tmp_path, capsys):
+    """--compare-no-prefix-cache: exact computed-token figures for each of the four batches,
+    and greedy fp32 outputs identical with the cache on and off."""
+    num_docs, questions_per_doc, doc_len, question_len = 2, 3, 100, 8
+    json_path = tmp_path / "result.json"
+    result = run_bench("--dataset", "doc-qa", "--num-docs", str(num_docs), "--doc-len",
+                       str(doc_len), "--questions-per-doc", str(questions_per_doc),
+                       "--question-len", str(question_len), "--output-len", "4",
+                       "--compare-no-prefix-cache", "--output-json", str(json_path))
+    compared = result["prefix_cache"]
+    block_size = result["config"]["block_size"]
+    prompt_len = doc_len + question_len
+    num_repeats = num_docs * (questions_per_doc - 1)
+    # A repeat hits its document's full blocks (96 of 100 tokens); the block holding the
+    # document's tail and the question is the question's own.
+    cached_per_repeat = doc_len // block_size * block_size
+    expected = {  # run: (prompts, computed, cached)
+        "cache_off_first": (num_docs, num_docs * prompt_len, 0),
+        "cache_off_repeats": (num_repeats, num_repeats * prompt_len, 0),
+        "cache_on_first": (num_docs, num_docs * prompt_len, 0),
+        "cache_on_repeats": (num_repeats, num_repeats * (prompt_len - cached_per_repeat),
+                             num_repeats * cached_per_repeat),
+    }
+    for key, (num_prompts, num_computed, num_cached) in expected.items():
+        run = compared[key]
+        assert run["num_requests"] == num_prompts, key
+        assert run["num_prompt_tokens"] == num_prompts * prompt_len, key
+        assert run["num_prompt_tokens_computed"] == num_computed, key
+        assert run["num_cached_tokens"] == run["prefix_cache_hits"] == num_cached, key
+        assert run["prefix_cache_hit_rate"] == num_cached / (num_prompts * prompt_len), key
+        assert run["num_output_tokens"] == num_prompts * 4 and run["num_preemptions"] == 0
+        assert 0 < run["mean_ttft_s"] and run["median_ttft_s"] <= run["p99_ttft_s"]
+    assert compared["cache_on_repeats"]["num_prompt_tokens_computed"] == num_repeats * 12
+    assert compared["cache_off_total"]["num_prompt_tokens_computed"] == 6 * prompt_len
+    assert compared["cache_on_total"]["num_cached_tokens"] == num_repeats * cached_per_repeat
+    assert compared["num_outputs_identical"] == compared["num_outputs_compared"] == 6
+    repeats = compared["repeats_on_vs_off"]
+    assert repeats["prompt_tokens_computed_ratio"] == pytest.approx(12 / prompt_len)
+    assert repeats["output_tokens_per_s_ratio"] == pytest.approx(
+        compared["cache_on_repeats"]["output_tokens_per_s"]
+        / compared["cache_off_repeats"]["output_tokens_per_s"])
+    assert compared["first_on_vs_off"]["prompt_tokens_computed_ratio"] == 1
+    assert json.loads(json_path.read_text())["prefix_cache"]["num_outputs_identical"] == 6
+    out = capsys.readouterr().out
+    assert "outputs identical, on vs off" in out and "cache on / off, repeats" in out
+    assert "not cold" not in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-prompts", "4"], "needs --dataset doc-qa"),
+    (["--dataset", "doc-qa", "--questions-per-doc", "1"], "--questions-per-doc >= 2"),
+    (["--dataset", "doc-qa", "--no-enable-prefix-caching"], "drop --no-enable-prefix-caching"),
+    (["--dataset", "doc-qa", "--profile"], "without --profile"),
+])
+def test_prefix_cache_comparison_rejects_what_it_cannot_compare(flags, message):
+    parser = argparse.ArgumentParser()
+    throughput.add_cli_args(parser)
+    with pytest.raises(ValueError, match=message):
+        throughput.main(parser.parse_args(["--compare-no-prefix-cache", *flags]))
+
+
 def test_chat_prompts_instead_of_a_dataset(run_bench, tokenizer):
     messages = ["Write hello world in Python.", "Name a prime number."]
     result = run_bench("--chat-prompt", messages[0], "--chat-prompt", messages[1],

@@ -112,7 +112,7 @@ def test_write_kv_equals_index_copy():
     caches = [key, value, key.clone(), value.clone()]
     k, v = torch.randn(5, 3, 16), torch.randn(5, 3, 16)
     slots = torch.tensor([7, 0, 39, 12, 13])
-    write_kv_index_copy(caches[0], caches[1], k, v, slots)
+    write_kv_index_copy((caches[0], caches[1]), k, v, slots)
     ops.write_kv(caches[2], caches[3], k, v, slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(RuntimeError, match="slot out of range"):

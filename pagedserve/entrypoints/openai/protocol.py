@@ -274,6 +274,9 @@ class ModelList(ResponseModel):
 
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
+    """Prompt tokens whose KV was reused (OpenAI's field): from the device pool or a KV tier."""
+    kv_tier_cached_tokens: int = 0
+    """pagedserve's: the part of cached_tokens loaded from a KV tier (disk, Redis, host)."""
 
 
 class UsageInfo(ResponseModel):

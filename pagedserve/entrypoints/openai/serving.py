@@ -89,14 +89,17 @@ class _Usage:
     num_prompt_tokens: list[int]
     """Per prompt."""
     num_cached_tokens: list[int] = field(default_factory=list)
+    num_tier_cached_tokens: list[int] = field(default_factory=list)
     num_completion_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.num_cached_tokens = [0] * len(self.num_prompt_tokens)
+        self.num_tier_cached_tokens = [0] * len(self.num_prompt_tokens)
 
     def add(self, prompt_index: int, output: RequestOutput) -> None:
-        self.num_cached_tokens[prompt_index] = max(self.num_cached_tokens[prompt_index],
-                                                   output.num_cached_tokens)
+        if output.num_cached_tokens > self.num_cached_tokens[prompt_index]:
+            self.num_cached_tokens[prompt_index] = output.num_cached_tokens
+            self.num_tier_cached_tokens[prompt_index] = output.num_tier_cached_tokens
         self.num_completion_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def info(self) -> p.UsageInfo:
@@ -105,7 +108,9 @@ class _Usage:
             prompt_tokens=num_prompt_tokens,
             completion_tokens=self.num_completion_tokens,
             total_tokens=num_prompt_tokens + self.num_completion_tokens,
-            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(self.num_cached_tokens)),
+            prompt_tokens_details=p.PromptTokensDetails(
+                cached_tokens=sum(self.num_cached_tokens),
+                kv_tier_cached_tokens=sum(self.num_tier_cached_tokens)),
         )
 
 

@@ -1,0 +1,364 @@
+"""The quantized KV cache (--kv-cache-dtype int8 / fp8): numerics, kernels, capacity, engine.
+
+Both backends (the compiled CPU kernels and plain torch) read the same codes and scales, so each
+must match the token-by-token reference run on the dequantized cache to fp32 rounding; the
+quantization error itself is bounded separately. The compiled write must store the very bits the
+torch write stores. The slow test measures what quantized KV costs on the real model.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import random
+import statistics
+
+import pytest
+import torch
+
+from pagedserve.attention import create_attention_backend
+from pagedserve.attention.kv_cache import (
+    QUANT_MAX,
+    QUANTIZED_DTYPES,
+    SCALE_MIN,
+    KVCacheSpec,
+    dequantize_kv,
+    dequantize_kv_cache,
+    quantize_kv,
+)
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.paged import write_kv_index_copy
+from pagedserve.attention.reference import reference_paged_attention
+from pagedserve.kernels import cpu_ops
+from pagedserve.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+NUM_HEADS, NUM_KV_HEADS = 6, 2  # GQA: 3 query heads per KV head
+KV_DTYPES = ["int8", "fp8"]
+
+
+def _kernels():
+    kernels = cpu_ops.load()
+    if kernels is None:
+        pytest.skip("the compiled CPU kernels are unavailable here")
+    return kernels
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def backend(request):
+    return create_attention_backend(
+        "cpu", torch.float32, _kernels() if request.param == "kernel" else None)
+
+
+def build_batch(backend, kv_dtype, query_lens, context_lens, head_dim, seed=0):
+    """A quantized cache of random KV (context everywhere), this step's K/V written through
+    `backend`, and the step's metadata; decodes first. Returns q (fp32), kv_cache, meta."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = 2 + sum(-(-(q + c) // BLOCK_SIZE) for q, c in zip(query_lens, context_lens))
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)  # scattered block tables
+    block_tables, slots = [], []
+    for q_len, ctx in zip(query_lens, context_lens):
+        blocks = [free.pop() for _ in range(-(-(ctx + q_len) // BLOCK_SIZE))]
+        block_tables.append(blocks)
+        slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                  for p in range(ctx, ctx + q_len)]
+    spec = KVCacheSpec.create(kv_dtype, torch.float32, 1, NUM_KV_HEADS, head_dim, BLOCK_SIZE)
+    [kv_cache] = spec.allocate(num_blocks, "cpu")
+    every_slot = torch.arange(num_blocks * BLOCK_SIZE)
+    # rows of varied magnitude, so scales differ from token to token
+    magnitude = torch.rand(len(every_slot), NUM_KV_HEADS, 1) * 4
+    write_kv_index_copy(kv_cache, torch.randn(len(every_slot), NUM_KV_HEADS, head_dim) * magnitude,
+                        torch.randn(len(every_slot), NUM_KV_HEADS, head_dim), every_slot)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    num_decodes = sum(1 for q in query_lens if q == 1)
+    assert query_lens[:num_decodes] == [1] * num_decodes, "decodes must come first"
+    max_blocks = max(map(len, block_tables))
+    meta = AttentionMetadata(
+        num_decodes=num_decodes,
+        query_start_loc=[0] + torch.tensor(query_lens).cumsum(0).tolist(),
+        context_lens=list(context_lens),
+        seq_lens=seq_lens,
+        slot_mapping=torch.tensor(slots),
+        block_table=torch.tensor([b + [0] * (max_blocks - len(b)) for b in block_tables]),
+        decode_seq_lens=torch.tensor(seq_lens[:num_decodes]),
+        kv_caches=[kv_cache],
+    )
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, NUM_HEADS, head_dim)
+    k, v = (torch.randn(num_tokens, NUM_KV_HEADS, head_dim) for _ in range(2))
+    backend.write_kv(kv_cache, k, v, meta.slot_mapping)
+    return q, kv_cache, meta
+
+
+def reference(q, kv_cache, meta):
+    return reference_paged_attention(q.float(), *dequantize_kv_cache(kv_cache), meta)
+
+
+BATCHES = [
+    ([1, 1, 1], [0, 5, 30]),  # decodes only, one with an empty context
+    ([7], [0]),  # a fresh prompt
+    ([1, 1, 13, 4, 4], [12, 3, 0, 21, 8]),  # the mixed batch of a busy step
+    ([1, 40], [9, 70]),  # a chunk past the kernel's KERNEL_MAX_TOKENS, with context
+]
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("query_lens,context_lens", BATCHES)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_fast_paths_match_reference_on_the_dequantized_cache(
+    backend, kv_dtype, query_lens, context_lens, head_dim
+):
+    """fp32 queries: both paths read the same codes and scales, so only fp32 rounding differs."""
+    q, kv_cache, meta = build_batch(backend, kv_dtype, query_lens, context_lens, head_dim)
+    expected = reference(q, kv_cache, meta)
+    actual = backend.forward(q, kv_cache, meta)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 90], [50, 3, 0]), ([1, 120], [7, 61])])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_bf16_prefill_and_decode_match_reference(backend, kv_dtype, query_lens, context_lens):
+    """bf16 at head_dim 64: on the CPU prefill chunks go to the flash kernel, which dequantizes
+    the cache to bf16 as it lays out its tiles (as the torch path does after its gather)."""
+    q, kv_cache, meta = build_batch(backend, kv_dtype, query_lens, context_lens, 64)
+    expected = reference(q, kv_cache, meta)
+    actual = backend.forward(q.bfloat16(), kv_cache, meta).float()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_ignores_stale_and_null_blocks(backend, kv_dtype):
+    q, kv_cache, meta = build_batch(backend, kv_dtype, [1, 1], [2, 40], 16)
+    expected = backend.forward(q, kv_cache, meta)
+    for t in kv_cache:  # the null block every short table is padded with: garbage everywhere
+        t.view(torch.uint8 if t.dtype == torch.float8_e4m3fn else t.dtype)[:, 0].fill_(100)
+    torch.testing.assert_close(backend.forward(q, kv_cache, meta), expected)
+
+
+def test_every_fp8_code_is_read_as_torch_reads_it():
+    """The kernel widens e4m3 through fp16 bits: check all 254 finite codes (subnormals too)."""
+    kernels = _kernels()
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    head_dim, num_tokens = 16, -(-len(codes) // 16)
+    spec = KVCacheSpec.create("fp8", torch.float32, 1, 1, head_dim, num_tokens)
+    key, value, key_scale, value_scale = spec.allocate(2, "cpu")[0]
+    padded = torch.cat([codes, codes[: num_tokens * head_dim - len(codes)]])
+    for cache in (key, value):
+        cache.view(torch.uint8)[0, 1] = padded.view(num_tokens, head_dim)
+    key_scale.fill_(0.01)
+    value_scale[0, 1] = torch.rand(num_tokens).half()
+    q = torch.randn(3, 1, head_dim)
+    rows, lens = torch.zeros(3, dtype=torch.int64), torch.tensor([num_tokens, 5, 1])
+    actual = kernels.paged_attention(q, key, value, torch.tensor([[1]]), rows, lens, 0.25,
+                                     key_scale, value_scale)
+    k, v = dequantize_kv(key[0, 1], key_scale[0, 1], torch.float32), \
+        dequantize_kv(value[0, 1], value_scale[0, 1], torch.float32)
+    for t, n in enumerate(lens.tolist()):
+        weights = torch.softmax(k[:n] @ q[t, 0] * 0.25, dim=0)
+        torch.testing.assert_close(actual[t, 0], weights @ v[:n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_compiled_write_stores_the_same_bits_as_torch(kv_dtype, compute_dtype):
+    kernels = _kernels()
+    spec = KVCacheSpec.create(kv_dtype, compute_dtype, 1, 3, 64, BLOCK_SIZE)
+    [torch_cache], [kernel_cache] = spec.allocate(10, "cpu"), spec.allocate(10, "cpu")
+    k = torch.randn(6, 3, 64) * torch.tensor([1, 1e-3, 1e-9, 0, 300, 1e7])[:, None, None]
+    v = torch.randn(6, 3, 64)
+    k, v = k.to(compute_dtype), v.to(compute_dtype)
+    slots = torch.tensor([7, 0, 39, 12, 13, 21])
+    write_kv_index_copy(torch_cache, k, v, slots)
+    key_cache, value_cache, *scales = kernel_cache
+    kernels.write_kv(key_cache, value_cache, k, v, slots, *scales)
+    for a, b in zip(torch_cache, kernel_cache):
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.write_kv(key_cache, value_cache, k, v, torch.tensor([0, 1, 2, 3, 4, 40]), *scales)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_quantize_dequantize_error_is_bounded(kv_dtype):
+    """int8: half a step (absmax / 254) per element; e4m3: 3 mantissa bits, so 1/16 of the value
+    (half an ulp), or half a subnormal step (scale * 2^-10) near zero."""
+    dtype = QUANTIZED_DTYPES[kv_dtype]
+    x = torch.randn(500, 64) * torch.logspace(-4, 3, 500)[:, None]
+    x[0] = 0
+    x[1, :] = 1e-7  # below the smallest scale: absolute error only
+    codes, scale = quantize_kv(x, dtype)
+    assert codes.dtype == dtype and scale.dtype == torch.float16
+    error = (dequantize_kv(codes, scale, torch.float32) - x).abs()
+    step = scale.float()[:, None]
+    assert (scale.float() >= SCALE_MIN).all()
+    if kv_dtype == "int8":
+        assert (error <= step / 2 * 1.0001).all()
+    else:
+        assert (error <= torch.maximum(x.abs() / 16, step * 2**-10) * 1.0001).all()
+    assert error[0].max() == 0
+    # the largest element of each row maps (close) to the largest code, unless the row is
+    # too small for that (then its scale is SCALE_MIN)
+    absmax = x.abs().amax(-1)
+    top = (absmax / scale.float())[absmax > QUANT_MAX[dtype] * SCALE_MIN * 1.001]
+    assert len(top) > 300
+    assert (top <= QUANT_MAX[dtype] * 1.001).all() and (top >= QUANT_MAX[dtype] * 0.999).all()
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A tiny random llama (GQA, head_dim 64) saved as a Hugging Face directory."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.2, tie_word_embeddings=True,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer._tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+PROMPTS = [[5, 17, 300, 42], list(range(100, 190)), [7] * 3, list(range(20, 300, 2))]
+
+
+def _tiny_llm(path, **kwargs):
+    from pagedserve.engine.llm import LLM
+
+    kwargs = {"dtype": "bfloat16", "kv_cache_memory": "4MiB", "max_num_batched_tokens": 64,
+              "max_num_seqs": 8, **kwargs}
+    return LLM(model=str(path), **kwargs)
+
+
+def _greedy(llm, prompts=PROMPTS, max_tokens=16):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def _num_blocks(llm) -> int:
+    return llm.engine.scheduler.kv_cache_manager.block_pool.num_blocks
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_engine_runs_on_quantized_kv_with_twice_the_blocks(tiny_model_dir, kv_dtype):
+    """Same memory budget: ~2x the blocks (scales counted); chunked prompts and decodes run on
+    the quantized cache; every block is free afterwards."""
+    plain = _tiny_llm(tiny_model_dir)
+    quantized = _tiny_llm(tiny_model_dir, kv_cache_dtype=kv_dtype)
+    ratio = _num_blocks(quantized) / _num_blocks(plain)
+    assert 1.8 < ratio <= 2, ratio
+    runner = quantized.engine.executor.worker.model_runner
+    assert runner.kv_caches[0][0].dtype == QUANTIZED_DTYPES[kv_dtype]
+    assert all(t.shape[1] == _num_blocks(quantized) for t in runner.kv_caches[0])  # dim 1: block
+    # (a random model's logits are too close for quantized KV to keep its greedy tokens: its
+    # quality is measured on the real model below)
+    assert all(len(tokens) == 16 for tokens in _greedy(quantized))
+    quantized.engine.assert_idle()
+
+
+def test_self_draft_keeps_its_kv_in_the_compute_dtype_beside_a_quantized_target(tiny_model_dir):
+    """The self-draft runs the target's own layers (one backend) on its own compute-dtype cache;
+    speculation stays lossless for greedy decoding."""
+    plain = _greedy(_tiny_llm(tiny_model_dir, dtype="float32", kv_cache_dtype="int8"))
+    llm = _tiny_llm(tiny_model_dir, dtype="float32", kv_cache_dtype="int8", speculative_config={
+        "method": "draft_model", "model": "self", "draft_num_layers": 1,
+        "num_speculative_tokens": 3})
+    runner = llm.engine.executor.worker.model_runner
+    assert runner.kv_caches[0][0].dtype == torch.int8
+    assert [t.dtype for t in runner.proposer.kv.kv_caches[0]] == [torch.float32] * 2
+    assert _greedy(llm) == plain
+    llm.engine.assert_idle()
+
+
+def test_fused_decoder_stack_reads_quantized_kv_like_the_modules(tiny_model_dir, monkeypatch):
+    """Packed weights (--quantization int8) make the compiled DecoderStack run the small steps;
+    with int8 KV it must still equal the Python modules bit for bit."""
+    import pagedserve.models.llama as llama_module
+
+    _kernels()
+    calls = []
+    real_run = llama_module.run_decoder_stack
+    monkeypatch.setattr(llama_module, "run_decoder_stack",
+                        lambda *args: calls.append(1) or real_run(*args))
+    llm = _tiny_llm(tiny_model_dir, kv_cache_dtype="int8", quantization="int8",
+                    enable_prefix_caching=False)
+    fused = _greedy(llm)
+    assert calls, "the decoder stack did not run"
+    monkeypatch.setattr(llm.engine.executor.worker.model_runner.model.model,
+                        "fused_decoder_layers", False)
+    calls.clear()
+    assert _greedy(llm) == fused and not calls
+    llm.engine.assert_idle()
+
+
+# ---- the real model ---------------------------------------------------------------------------
+
+TEXT = (pathlib.Path(__file__).parent.parent / "data" / "declaration_of_independence.txt").read_text()
+GREEDY_PROMPTS = [
+    f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n" for p in [
+        "Write a haiku about autumn leaves.",
+        "What is the capital of France? Answer in one sentence.",
+        "Explain what a hash table is to a child.",
+        "List three uses of copper.",
+        "Translate 'good morning' into Spanish and German.",
+        "Write a Python function that reverses a string.",
+        "Why is the sky blue?",
+        "Give me a short recipe for pancakes.",
+        "What does HTTP stand for?",
+        "Describe a cat in two sentences.",
+        "Summarize the plot of Romeo and Juliet in one paragraph.",
+        "Tell me a fun fact about octopuses.",
+    ]
+]
+NUM_GREEDY_TOKENS = 64
+
+
+def _perplexity(llm, token_ids: list[int]) -> float:
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    [out] = llm.generate([{"prompt_token_ids": token_ids}], params)
+    logprobs = [out.prompt_logprobs[i][token_ids[i]].logprob for i in range(1, len(token_ids))]
+    return math.exp(-statistics.mean(logprobs))
+
+
+@pytest.mark.slow
+def test_quantized_kv_quality_on_the_real_model(make_llm, tokenizer):
+    """bf16 engine, default settings; prompts prefilled in 256-token chunks, so every chunk after
+    the first attends to KV read back from the (quantized) cache."""
+    from tests.prompts import PARITY_PROMPTS
+
+    # ~2,300 tokens: the declaration, then a long Python source (textwrap)
+    token_ids = tokenizer.encode(TEXT + "\n\n" + PARITY_PROMPTS[9])
+    assert len(token_ids) > 1500
+    prompt_ids = [tokenizer.encode(p) for p in GREEDY_PROMPTS]
+    results = {}
+    for kv_dtype in ["auto", "int8", "fp8"]:
+        llm = make_llm(dtype="bfloat16", kv_cache_dtype=kv_dtype, max_num_batched_tokens=256,
+                       enable_prefix_caching=False)
+        perplexity = _perplexity(llm, token_ids)
+        results[kv_dtype] = perplexity, _greedy(llm, prompt_ids, NUM_GREEDY_TOKENS)
+    base_ppl, base_tokens = results["auto"]
+    report, agreement = [f"perplexity over {len(token_ids)} tokens: bf16 KV {base_ppl:.4f}"], {}
+    for kv_dtype in ["int8", "fp8"]:
+        ppl, tokens = results[kv_dtype]
+        same = sum(a == b for e, q in zip(base_tokens, tokens) for a, b in zip(e, q))
+        prefix = [next((i for i, (a, b) in enumerate(zip(e, q)) if a != b), len(e))
+                  for e, q in zip(base_tokens, tokens)]
+        agreement[kv_dtype] = same / (NUM_GREEDY_TOKENS * len(prompt_ids))
+        report.append(
+            f"{kv_dtype} {ppl:.4f} ({ppl / base_ppl - 1:+.2%}); greedy tokens equal to bf16 KV's: "
+            f"{agreement[kv_dtype]:.1%} by position, identical prefixes {prefix}"
+        )
+    print("\n" + "; ".join(report))
+    assert abs(results["int8"][0] / base_ppl - 1) < 0.01, results
+    assert abs(results["fp8"][0] / base_ppl - 1) < 0.05, results
+    assert agreement["int8"] >= 0.5, agreement
+    assert agreement["fp8"] >= 0.25, agreement
