@@ -32,7 +32,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.config import EngineConfig, KVTransferConfig, parse_size
 from pagedserve.core.block_hash import extend_block_hashes
@@ -203,6 +203,17 @@ def model_identity(config: EngineConfig) -> str:
     return digest.hexdigest()[:16]
 
 
+@dataclass
+class _Lookup:
+    asked: tuple[int, int]
+    """(tokens computed in the pool, tokens of the request) when looked up."""
+    first: int = 0
+    """The first block past the pool's hit."""
+    blocks: list[BlockTransfer] = field(default_factory=list)
+    """The blocks to load (empty: none found, or the cost model said recompute)."""
+    tiers: list[int] = field(default_factory=list)
+
+
 class TieredConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: EngineConfig, prefill: PrefillProfile | None,
                  bytes_per_block: int) -> None:
@@ -218,8 +229,10 @@ class TieredConnectorScheduler(KVConnectorScheduler):
                                self.options.num_load_threads) for store in self.stores]
         self.cost_model = CostModel(prefill or PrefillProfile(0.0, 0.0), tier_costs,
                                     self.options.load_policy)
-        self._lookups: dict[str, tuple[int, list[BlockTransfer], list[int]]] = {}
-        """req_id -> (first block, blocks found, their tiers), from the last lookup."""
+        self._lookups: dict[str, _Lookup] = {}
+        """req_id -> its last lookup. A request the pool cannot admit yet is looked up again at
+        every schedule(): the answer is reused, so the stores are asked (and the lookup and
+        decision counted) once per admission."""
         self._pending_loads: list[LoadJob] = []
         self._num_saved_blocks: dict[str, int] = {}
         """req_id -> leading blocks that are in a tier or queued to be saved."""
@@ -247,7 +260,16 @@ class TieredConnectorScheduler(KVConnectorScheduler):
     # ---- admission ----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        self._lookups.pop(request.request_id, None)
+        lookup = self._lookups.get(request.request_id)
+        if lookup is not None and lookup.asked == (num_computed_tokens, request.num_tokens):
+            return len(lookup.blocks) * self.block_size
+        lookup = self._lookup(request, num_computed_tokens)
+        self._lookups[request.request_id] = lookup
+        return len(lookup.blocks) * self.block_size
+
+    def _lookup(self, request: Request, num_computed_tokens: int) -> _Lookup:
+        """Which blocks past the pool's hit the tiers have, and whether to load them."""
+        lookup = _Lookup((num_computed_tokens, request.num_tokens))
         bs = self.block_size
         extend_block_hashes(request.block_hashes, request.all_token_ids, bs, request.cache_salt)
         first = num_computed_tokens // bs
@@ -255,7 +277,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         hashes = request.block_hashes[first : (request.num_tokens - 1) // bs]
         self._num_saved_blocks[request.request_id] = first
         if not hashes or not self.transfer_config.is_consumer:
-            return 0
+            return lookup
         keys = [self.key(h) for h in hashes]
         tier_of_block = [-1] * len(keys)
         for tier, store in enumerate(self.stores):
@@ -274,7 +296,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         num_found = next((i for i, t in enumerate(tier_of_block) if t < 0), len(keys))
         self.stats.lookup_tokens += len(keys) * bs
         if num_found == 0:
-            return 0
+            return lookup
         tiers = tier_of_block[:num_found]
         for tier in tiers:
             name = self.tier_names[tier]
@@ -283,19 +305,20 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self._num_saved_blocks[request.request_id] = first + num_found
         if not self.cost_model.should_load(tiers, num_computed_tokens, bs):
             self.stats.decisions["recompute"] += 1
-            return 0
+            return lookup
         self.stats.decisions["load"] += 1
         blocks = []
         for i in range(num_found):
             index = first + i
             blocks.append(BlockTransfer(-1, keys[i], hashes[i],
                                         request.all_token_ids[index * bs : (index + 1) * bs]))
-        self._lookups[request.request_id] = (first, blocks, tiers)
-        return num_found * bs
+        lookup.first, lookup.blocks, lookup.tiers = first, blocks, tiers
+        return lookup
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
-        first, blocks, tiers = self._lookups.pop(request.request_id)
+        lookup = self._lookups.pop(request.request_id)
+        first, blocks, tiers = lookup.first, lookup.blocks, lookup.tiers
         assert num_external_tokens == len(blocks) * self.block_size
         for i, block in enumerate(blocks):
             block.block_id = block_ids[first + i]
@@ -306,6 +329,8 @@ class TieredConnectorScheduler(KVConnectorScheduler):
     def build_connector_meta(self, requests: dict[str, Request],
                              block_ids: Callable[[str], list[int]],
                              num_scheduled_tokens: dict[str, int]) -> KVConnectorMetadata | None:
+        for req_id in num_scheduled_tokens:
+            self._lookups.pop(req_id, None)  # admitted: a preemption later looks up afresh
         saves = []
         if self.transfer_config.is_producer:
             bs = self.block_size
