@@ -38,3 +38,24 @@ PARITY_PROMPTS = [
     source_text(5600) + "\n# What does this module do?",
     _CHINESE_TEXT * 6 + "\n问题：前缀缓存有什么用？",
 ]
+
+CHAT_QUESTIONS = [
+    "Write a haiku about autumn leaves.",
+    "What is the capital of France? Answer in one sentence.",
+    "Explain what a hash table is to a child.",
+    "List three uses of copper.",
+    "Translate 'good morning' into Spanish and German.",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?",
+    "Give me a short recipe for pancakes.",
+    "What does HTTP stand for?",
+    "Describe a cat in two sentences.",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+    "Tell me a fun fact about octopuses.",
+]
+"""Short chat questions (SmolLM2's template is applied by chat_prompt)."""
+
+
+def chat_prompt(question: str) -> str:
+    """One user turn in SmolLM2's ChatML template, ready for the assistant's answer."""
+    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"

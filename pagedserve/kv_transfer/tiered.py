@@ -376,6 +376,8 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         return False
 
     def shutdown(self) -> None:
+        with _host_stores_lock:
+            _host_stores.pop(id(self.transfer_config), None)
         stores, self.stores = self.stores, []
         for store in stores:
             if not isinstance(store, MemoryStore):

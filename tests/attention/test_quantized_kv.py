@@ -31,6 +31,7 @@ from pagedserve.attention.paged import write_kv_index_copy
 from pagedserve.attention.reference import reference_paged_attention
 from pagedserve.kernels import cpu_ops
 from pagedserve.sampling_params import SamplingParams
+from tests.prompts import CHAT_QUESTIONS, chat_prompt
 
 BLOCK_SIZE = 4
 NUM_HEADS, NUM_KV_HEADS = 6, 2  # GQA: 3 query heads per KV head
@@ -303,22 +304,7 @@ def test_fused_decoder_stack_reads_quantized_kv_like_the_modules(tiny_model_dir,
 # ---- the real model ---------------------------------------------------------------------------
 
 TEXT = (pathlib.Path(__file__).parent.parent / "data" / "declaration_of_independence.txt").read_text()
-GREEDY_PROMPTS = [
-    f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n" for p in [
-        "Write a haiku about autumn leaves.",
-        "What is the capital of France? Answer in one sentence.",
-        "Explain what a hash table is to a child.",
-        "List three uses of copper.",
-        "Translate 'good morning' into Spanish and German.",
-        "Write a Python function that reverses a string.",
-        "Why is the sky blue?",
-        "Give me a short recipe for pancakes.",
-        "What does HTTP stand for?",
-        "Describe a cat in two sentences.",
-        "Summarize the plot of Romeo and Juliet in one paragraph.",
-        "Tell me a fun fact about octopuses.",
-    ]
-]
+GREEDY_PROMPTS = [chat_prompt(q) for q in CHAT_QUESTIONS]
 NUM_GREEDY_TOKENS = 64
 
 

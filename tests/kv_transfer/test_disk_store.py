@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import threading
 import time
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from pagedserve.kv_transfer import disk_store
 from pagedserve.kv_transfer.disk_store import DiskStore
 from pagedserve.kv_transfer.store import KVStoreError
+from tests.kv_transfer.threads import run_in_threads
 
 KB = 1024
 
@@ -218,28 +218,17 @@ def test_unusable_path_raises_kv_store_error(tmp_path):
 def test_threads_put_and_get(tmp_path):
     store = DiskStore(str(tmp_path), max_bytes=200 * KB)  # room for 20 of the 64 values
     num_threads, num_keys = 4, 16
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(num_threads)
 
     def work(t: int) -> None:
-        try:
-            barrier.wait()
-            for round_ in range(3):
-                for i in range(num_keys):
-                    key = f"t{t}-k{i}"
-                    store.put(key, value(t * num_keys + i))
-                    got = store.get(f"t{(t + 1) % num_threads}-k{i}")
-                    assert got is None or got == value(((t + 1) % num_threads) * num_keys + i)
-                    store.contains([key])
-        except BaseException as e:  # noqa: BLE001 -- re-raised in the main thread
-            errors.append(e)
+        for round_ in range(3):
+            for i in range(num_keys):
+                key = f"t{t}-k{i}"
+                store.put(key, value(t * num_keys + i))
+                got = store.get(f"t{(t + 1) % num_threads}-k{i}")
+                assert got is None or got == value(((t + 1) % num_threads) * num_keys + i)
+                store.contains([key])
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_in_threads(work, num_threads)
     # The index and the directory agree, and the bound held.
     assert store.num_bytes <= store.max_bytes
     assert len(all_files(tmp_path)) == store.num_bytes // (10 * KB) == len(store._index)

@@ -5,13 +5,13 @@ threads. Skipped, with the reason, where redis-server is not installed."""
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
 import redis
 
 from pagedserve.kv_transfer.redis_store import RedisStore
 from pagedserve.kv_transfer.store import KVStoreError
+from tests.kv_transfer.threads import run_in_threads
 from tests.kv_transfer.redis_server import RedisServer
 
 KB = 1024
@@ -126,22 +126,11 @@ def test_server_that_never_answers_times_out(make_store):
 def test_threads_put_and_get(server, make_store):
     store = make_store(server.url)
     num_threads, num_keys = 4, 20
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(num_threads)
 
     def work(t: int) -> None:
-        try:
-            barrier.wait()
-            for i in range(num_keys):
-                store.put(f"t{t}-k{i}", bytes([t, i]) * KB)
-                assert store.get(f"t{t}-k{i}") == bytes([t, i]) * KB
-                assert store.contains([f"t{t}-k{j}" for j in range(i + 1)]) == [True] * (i + 1)
-        except BaseException as e:  # noqa: BLE001 -- re-raised in the main thread
-            errors.append(e)
+        for i in range(num_keys):
+            store.put(f"t{t}-k{i}", bytes([t, i]) * KB)
+            assert store.get(f"t{t}-k{i}") == bytes([t, i]) * KB
+            assert store.contains([f"t{t}-k{j}" for j in range(i + 1)]) == [True] * (i + 1)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_in_threads(work, num_threads)

@@ -22,27 +22,12 @@ import pytest
 
 import pagedserve.layers.linear as linear_module
 from pagedserve.sampling_params import SamplingParams
-from tests.prompts import PARITY_PROMPTS
+from tests.prompts import CHAT_QUESTIONS, PARITY_PROMPTS, chat_prompt
 
 NUM_NEW_TOKENS = 64
-_EXTRA_PROMPTS = [
-    "Write a haiku about autumn leaves.",
-    "What is the capital of France? Answer in one sentence.",
-    "Explain what a hash table is to a child.",
-    "List three uses of copper.",
-    "Translate 'good morning' into Spanish and German.",
-    "Write a Python function that reverses a string.",
-    "Why is the sky blue?",
-    "Give me a short recipe for pancakes.",
-    "What does HTTP stand for?",
-    "Describe a cat in two sentences.",
-    "Summarize the plot of Romeo and Juliet in one paragraph.",
-]
 # The shared prompts up to ~600 tokens (the two ~1,300-1,500 token ones would double the time),
 # plus short chat prompts: 20 in all.
-PROMPTS = PARITY_PROMPTS[:9] + [
-    f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n" for p in _EXTRA_PROMPTS
-]
+PROMPTS = PARITY_PROMPTS[:9] + [chat_prompt(q) for q in CHAT_QUESTIONS[:11]]
 TEXT = (pathlib.Path(__file__).parent.parent / "data" / "declaration_of_independence.txt").read_text()
 
 pytestmark = pytest.mark.slow
