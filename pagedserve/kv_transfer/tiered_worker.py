@@ -10,11 +10,17 @@ Saves are copied out of the KV tensors right after the step that completed them 
 may be freed the moment the step is over) and written to every tier by one writer thread; when
 the writer falls behind by more than `max_pending_save_blocks`, new saves are dropped and counted
 rather than let memory grow.
+
+On CUDA, copies go through pinned host buffers on side streams: a save's download overlaps the
+next step (the writer waits on its event), a load's upload runs on its loader thread's stream.
+NOTE: written for CUDA but not yet run there (no GPU in this project's CI); the CPU path is the
+tested one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -45,6 +51,9 @@ class TieredConnectorWorker(KVConnectorWorker):
         """sync_saves: wait_for_save returns only once its blocks are written."""
         self.stores = stores
         self.sync_saves = sync_saves
+        self._save_stream = None
+        """CUDA: the side stream the saves download on."""
+        self._thread_state = threading.local()
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.layout: block_codec.Layout = []
         self._loader = concurrent.futures.ThreadPoolExecutor(
@@ -112,9 +121,23 @@ class TieredConnectorWorker(KVConnectorWorker):
 
     def _write_block(self, block_id: int, segments: list[memoryview]) -> None:
         tensors = [t for layer in self.kv_caches for t in layer]
-        for tensor, segment, (_, shape) in zip(tensors, segments, self.layout):
-            source = torch.frombuffer(bytearray(segment), dtype=torch.uint8)
-            tensor[:, block_id].copy_(source.view(tensor.dtype).view(shape))
+        on_cuda = tensors[0].device.type == "cuda"
+        stream = None
+        if on_cuda:  # one upload stream per loader thread
+            stream = getattr(self._thread_state, "stream", None)
+            if stream is None:
+                stream = self._thread_state.stream = torch.cuda.Stream(tensors[0].device)
+        with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
+            for tensor, segment, (_, shape) in zip(tensors, segments, self.layout):
+                source = torch.frombuffer(bytearray(segment), dtype=torch.uint8)
+                if on_cuda:  # a pinned staging copy, so the upload is asynchronous
+                    source = source.pin_memory()
+                tensor[:, block_id].copy_(source.view(tensor.dtype).view(shape),
+                                          non_blocking=on_cuda)
+        if on_cuda:
+            # Done before the load is reported: the compute stream reads the block only in a
+            # later step, after the scheduler has heard.
+            stream.synchronize()
 
     # ---- saves ------------------------------------------------------------------------------
 
@@ -122,15 +145,29 @@ class TieredConnectorWorker(KVConnectorWorker):
         if not metadata.saves:
             return
         tensors = [t for layer in self.kv_caches for t in layer]
-        index = torch.tensor([b.block_id for b in metadata.saves], device=tensors[0].device)
-        # One gather per tensor: (blocks, ...) rows, each one block's slice, as bytes on the host.
-        rows = []
-        for tensor in tensors:
-            gathered = tensor.index_select(1, index).transpose(0, 1).contiguous().cpu()
-            rows.append(gathered.view(torch.uint8).view(len(metadata.saves), -1).numpy())
+        device = tensors[0].device
+        index = torch.tensor([b.block_id for b in metadata.saves], device=device)
+        # One gather per tensor, on the compute stream (the next step may overwrite the blocks):
+        # (blocks, ...) rows, each one block's slice.
+        gathered = [t.index_select(1, index).transpose(0, 1).contiguous() for t in tensors]
+        copied = None
+        if device.type == "cuda":
+            # To pinned host buffers on a side stream: the step goes on while they download;
+            # the writer waits for the event before reading them.
+            stream = self._save_stream = self._save_stream or torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                host = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True).copy_(
+                    g, non_blocking=True) for g in gathered]
+                for g in gathered:
+                    g.record_stream(stream)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            gathered = host
+        rows = [g.view(torch.uint8).view(len(metadata.saves), -1).numpy() for g in gathered]
         for i, block in enumerate(metadata.saves):
             try:
-                self._save_queue.put_nowait((block, [r[i] for r in rows]))
+                self._save_queue.put_nowait((block, [r[i] for r in rows], copied))
             except queue.Full:
                 with self._lock:
                     self._num_saves_dropped += 1
@@ -149,7 +186,10 @@ class TieredConnectorWorker(KVConnectorWorker):
             finally:
                 self._save_queue.task_done()
 
-    def _write_block_to_tiers(self, block: BlockTransfer, segments: list) -> None:
+    def _write_block_to_tiers(self, block: BlockTransfer, segments: list,
+                              copied: torch.cuda.Event | None) -> None:
+        if copied is not None:
+            copied.synchronize()  # the download to host memory is done
         payload = block_codec.encode(block.key, block.block_hash, block.token_ids,
                                      self.layout, [memoryview(s) for s in segments])
         for store in self.stores:

@@ -19,9 +19,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world_size: int, args: dict, out_dir: Path, timeout_s: float = 120.0) -> list[dict]:
+def run_ranks(world_size: int, args: dict, out_dir: Path, timeout_s: float = 600.0) -> list[dict]:
     """Start `python -m tests.distributed.rank_main` once per rank with args plus rank,
-    init_method, out_dir and timeout_s. Returns each rank's rank{r}.json (see run_processes)."""
+    init_method, out_dir and timeout_s. Returns each rank's rank{r}.json (see run_processes).
+    timeout_s guards against a hang, it is no speed check: beside a CPU burner, four ranks on two
+    cores take minutes."""
     args = {**args, "init_method": f"tcp://127.0.0.1:{free_port()}", "out_dir": str(out_dir),
             "timeout_s": timeout_s}
     return run_processes("tests.distributed.rank_main",
