@@ -19,6 +19,19 @@ LONG_MAX_TOKENS = 1500
 running long after the others finished."""
 
 
+IDLE_TIMEOUT_S = 60.0
+"""A hang guard only: a missed abort shows in the abort count (the request would end "length")."""
+
+
+def num_aborted(server) -> float:
+    """Requests that ended with finish_reason "abort", from /metrics."""
+    text = httpx.get(server.base_url + "/metrics",
+                     headers={"Authorization": f"Bearer {API_KEY}"}).text
+    match = re.search(r'^pagedserve:request_success_total\{[^}]*finished_reason="abort"[^}]*\} '
+                      r'(\S+)$', text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
 def metric(text: str, name: str) -> float:
     match = re.search(rf"^pagedserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
@@ -49,13 +62,14 @@ def test_cancelled_streams_are_aborted(server):
         finally:
             await client.close()
 
+    aborted_before = num_aborted(server)
     results = asyncio.run(run_all())
     assert results.count(None) == NUM_CANCELLED
     assert [r for r in results if r is not None] == [NUM_TOKENS] * (NUM_STREAMS - NUM_CANCELLED)
-    # Within moments of the last complete stream, nothing is left: the cancelled requests
-    # (1500 tokens each) were aborted, not left running.
-    server.wait_until_idle(timeout=3.0)
-    deadline = time.monotonic() + 3.0  # the gauges update on the engine's next idle tick
+    # Nothing is left, and the cancelled requests (1500 tokens each) were aborted, not run out.
+    server.wait_until_idle(timeout=IDLE_TIMEOUT_S)
+    assert num_aborted(server) - aborted_before == NUM_CANCELLED
+    deadline = time.monotonic() + IDLE_TIMEOUT_S  # the gauges update on the next idle tick
     while True:
         text = httpx.get(server.base_url + "/metrics",
                          headers={"Authorization": f"Bearer {API_KEY}"}).text
@@ -75,7 +89,7 @@ def test_non_streaming_disconnect_aborts(server):
             request = asyncio.create_task(http.post("/v1/completions", json=dict(
                 model=MODEL_NAME, prompt="Count to a thousand:", max_tokens=LONG_MAX_TOKENS,
                 ignore_eos=True, temperature=0)))
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + IDLE_TIMEOUT_S
             while server.async_llm.num_unfinished_requests() == 0:
                 assert time.monotonic() < deadline, "the request never reached the engine"
                 await asyncio.sleep(0.01)
@@ -85,18 +99,22 @@ def test_non_streaming_disconnect_aborts(server):
             except asyncio.CancelledError:
                 pass
 
+    aborted_before = num_aborted(server)
     asyncio.run(run())
-    server.wait_until_idle(timeout=3.0)
+    server.wait_until_idle(timeout=IDLE_TIMEOUT_S)
+    assert num_aborted(server) - aborted_before == 1
 
 
 def test_request_id_reusable_after_abort(server):
     body = dict(model=MODEL_NAME, prompt="Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True,
                 request_id="reused")
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    aborted_before = num_aborted(server)
     with httpx.Client(base_url=server.base_url, headers=headers) as http:
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             assert response.status_code == 200
             next(response.iter_lines())  # one event, then hang up
-        server.wait_until_idle(timeout=3.0)
+        server.wait_until_idle(timeout=IDLE_TIMEOUT_S)
+        assert num_aborted(server) - aborted_before == 1
         result = http.post("/v1/completions", json={**body, "max_tokens": 2})
     assert result.status_code == 200 and result.json()["id"] == "reused"

@@ -228,4 +228,4 @@ def test_body_too_large_without_content_length(http):
 def test_good_request_unchanged_and_no_leak(server, good_request):
     text, expected = good_request()
     assert text == expected
-    server.wait_until_idle(timeout=3.0)
+    server.wait_until_idle(timeout=60.0)  # a hang guard: the request is done
