@@ -83,6 +83,8 @@ class DiskStore(KVStore):
         with self._lock:
             if name in self._index:
                 self._index.move_to_end(name)
+            elif not os.path.exists(file_path):
+                return value  # evicted by a put since the read: nothing left to track
             else:  # written by another instance: from now on ours to count and evict too
                 self._index[name] = len(value)
                 self.num_bytes += len(value)
