@@ -158,7 +158,7 @@ class _KVTierMetrics:
         self._last: dict[tuple, float] = {}
 
     def _follow(self, family: Counter, total: float, **labels: str) -> None:
-        key = (family._name, *sorted(labels.items()))
+        key = (id(family), *sorted(labels.items()))
         last = self._last.get(key, 0)
         family.labels(model_name=self.model_name, **labels).inc(
             total - last if total >= last else total)  # smaller: a new engine's counters

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.attention.kv_cache import KVCacheSpec
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
@@ -26,7 +27,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.executor import Executor
 from pagedserve.kv_transfer.cost_model import PrefillProfile, PrefillTiming
-from pagedserve.kv_transfer.tiered import TieredConnectorScheduler, parse_tiers
+from pagedserve.kv_transfer.tiered import TieredConnectorScheduler, TieredOptions, parse_tiers
 from pagedserve.outputs import OutputKind, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -73,12 +74,14 @@ class LLMEngine:
             if config.parallel.world_size > 1:
                 raise ValueError("KV tiers (kv_transfer_config) do not run with tensor or "
                                  "pipeline parallelism yet")
-            parse_tiers(config.kv_transfer, config.device.device)  # fail before loading weights
+        # Parsed before the weights load, so a bad config fails fast.
+        tier_options = (parse_tiers(config.kv_transfer, config.device.device)
+                        if config.kv_transfer is not None else None)
         self.executor = Executor.create(config, model=model)
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks=num_blocks,
-                                   connector=self._create_kv_connector(num_blocks))
+                                   connector=self._create_kv_connector(tier_options, num_blocks))
         self._batch_queue: collections.deque[tuple[SchedulerOutput, Future]] = collections.deque()
         """Steps in flight, oldest first (more than one only with pipeline stages)."""
         if self.executor.max_concurrent_batches > 1:
@@ -95,25 +98,25 @@ class LLMEngine:
         self.max_batches_in_flight = 0
         """Most steps seen in flight at once (more than one only with pipeline stages)."""
 
-    def _create_kv_connector(self, num_blocks: int) -> TieredConnectorScheduler | None:
+    def _create_kv_connector(self, options: TieredOptions | None,
+                             num_blocks: int) -> TieredConnectorScheduler | None:
         """The KV tiers' scheduler half, its cost model calibrated on this engine's own prefill
         (None: no tiers configured)."""
         config = self.config
-        if config.kv_transfer is None:
+        if options is None:
             return None
         prefill = None
-        if parse_tiers(config.kv_transfer, config.device.device).load_policy == "cost":
+        if options.load_policy == "cost":
             prefill = PrefillProfile.fit(self._time_prefills(num_blocks))
             logger.info("KV tier cost model: recomputing costs %.1f us/token + %.4f us/token per "
                         "context token", prefill.seconds_per_token * 1e6,
                         prefill.seconds_per_token_per_context * 1e6)
         model = config.model
-        element_size = {"float32": 4}.get(config.device.dtype, 2)
-        if config.cache.cache_dtype != "auto":
-            element_size = 1
-        bytes_per_block = (2 * model.num_hidden_layers * config.cache.block_size
-                           * model.num_key_value_heads * model.head_dim * element_size)
-        return TieredConnectorScheduler(config, prefill, bytes_per_block)
+        spec = KVCacheSpec.create(  # one rank holds the whole model (tiers need world size 1)
+            config.cache.cache_dtype, getattr(torch, config.device.dtype),
+            model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
+            config.cache.block_size)
+        return TieredConnectorScheduler(config, options, prefill, spec.bytes_per_block)
 
     def _time_prefills(self, num_blocks: int) -> list[PrefillTiming]:
         """Time a prefill chunk at context 0 and after a long context (as long as the pool and

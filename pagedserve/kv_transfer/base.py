@@ -120,15 +120,6 @@ class KVTierStats:
     num_saves_dropped: int = 0
     tiers: dict[str, TierCounters] = field(default_factory=dict)
 
-    def copy(self) -> KVTierStats:
-        tiers = {}
-        for name, counters in self.tiers.items():
-            tiers[name] = TierCounters()
-            tiers[name].add(counters)
-        return KVTierStats(self.lookup_tokens, dict(self.hit_tokens), dict(self.decisions),
-                           self.loaded_tokens, self.load_failed_tokens, self.num_saves_dropped,
-                           tiers)
-
 
 class KVConnectorScheduler(ABC):
     """The scheduler's half: decides what to load and save; never touches tensors."""

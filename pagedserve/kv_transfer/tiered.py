@@ -24,6 +24,7 @@ and "retry_interval_s" (how long a failed server is skipped before it is tried a
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -156,9 +157,8 @@ of one engine share the one store (they run in the same process)."""
 _host_stores_lock = threading.Lock()
 
 
-def open_stores(config: EngineConfig) -> list[KVStore]:
+def open_stores(config: EngineConfig, options: TieredOptions) -> list[KVStore]:
     """The tiers' stores, in search order (each half of the connector opens its own)."""
-    options = parse_tiers(config.kv_transfer, config.device.device)
     stores: list[KVStore] = []
     for spec in options.tiers:
         if spec.connector == "DiskConnector":
@@ -215,13 +215,14 @@ class _Lookup:
 
 
 class TieredConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: EngineConfig, prefill: PrefillProfile | None,
-                 bytes_per_block: int) -> None:
-        """prefill: the measured prefill cost (None: the load policy is not "cost")."""
-        self.options = parse_tiers(config.kv_transfer, config.device.device)
+    def __init__(self, config: EngineConfig, options: TieredOptions,
+                 prefill: PrefillProfile | None, bytes_per_block: int) -> None:
+        """options: parse_tiers(config.kv_transfer); prefill: the measured prefill cost (None:
+        the load policy is not "cost")."""
+        self.options = options
         self.transfer_config = config.kv_transfer
         self.block_size = config.cache.block_size
-        self.stores = open_stores(config)
+        self.stores = open_stores(config, options)
         self.tier_names = [store.name for store in self.stores]
         self.key_prefix = f"pskv1:{model_identity(config)}"
         self.stats = KVTierStats(tiers={name: TierCounters() for name in self.tier_names})
@@ -368,7 +369,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self.stats.load_failed_tokens += num_failed_tokens
 
     def get_stats(self) -> KVTierStats:
-        return self.stats.copy()
+        return copy.deepcopy(self.stats)
 
     def request_finished(self, request: Request) -> bool:
         self._num_saved_blocks.pop(request.request_id, None)

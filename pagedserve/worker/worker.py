@@ -116,7 +116,8 @@ class Worker:
             from pagedserve.kv_transfer.tiered_worker import TieredConnectorWorker
 
             options = parse_tiers(self.config.kv_transfer, self.config.device.device)
-            connector = TieredConnectorWorker(open_stores(self.config), options.num_load_threads,
+            connector = TieredConnectorWorker(open_stores(self.config, options),
+                                              options.num_load_threads,
                                               options.max_pending_save_blocks, options.sync_saves)
             connector.register_kv_caches(self.model_runner.kv_caches)
             self.model_runner.kv_connector = connector
