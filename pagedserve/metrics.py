@@ -146,6 +146,8 @@ class _KVTierMetrics:
         self.loaded_tokens = family("loaded_tokens", "Prompt tokens loaded from KV tiers and used.")
         self.load_failed_tokens = family("load_failed_tokens", "Prompt tokens a load job could "
                                          "not deliver (fault, corrupt or missing): recomputed.")
+        self.load_fallbacks = family("load_fallbacks", "Load jobs (transfers) that failed or "
+                                     "timed out part-way: the rest of the prompt was recomputed.")
         self.saves_dropped = family("saves_dropped", "Block saves dropped because the writer "
                                     "fell behind.")
         self.tier_families = {name: family(name, doc, ("tier",))
@@ -168,6 +170,7 @@ class _KVTierMetrics:
         self._follow(self.lookup_tokens, stats.lookup_tokens)
         self._follow(self.loaded_tokens, stats.loaded_tokens)
         self._follow(self.load_failed_tokens, stats.load_failed_tokens)
+        self._follow(self.load_fallbacks, stats.load_fallbacks)
         self._follow(self.saves_dropped, stats.num_saves_dropped)
         for decision, count in stats.decisions.items():
             self._follow(self.decisions, count, decision=decision)

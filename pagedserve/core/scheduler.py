@@ -287,8 +287,12 @@ class Scheduler:
         self.connector.update_connector_output(output)
         for req_id, num_blocks in output.finished_loads.items():
             request = self._loading.pop(req_id)
-            num_loaded = num_blocks * self.block_size
-            num_asked = len(self.kv_cache_manager.req_to_blocks[req_id]) * self.block_size
+            # The last prompt token is always computed (its logits are needed): a P/D decode
+            # loads the prompt's last block but counts it only up to that token.
+            num_loaded = min(num_blocks * self.block_size,
+                             request.num_tokens - 1 - request.num_computed_tokens)
+            num_asked = min(len(self.kv_cache_manager.req_to_blocks[req_id]) * self.block_size,
+                            request.num_tokens - 1)
             self.connector.record_load_result(
                 num_loaded, max(0, num_asked - request.num_computed_tokens - num_loaded))
             if request.is_finished:  # aborted while loading

@@ -117,6 +117,8 @@ class KVTierStats:
     """Tokens loaded and verified (what requests really got from the tiers)."""
     load_failed_tokens: int = 0
     """Tokens of load jobs that failed (fault, corrupt, missing): recomputed instead."""
+    load_fallbacks: int = 0
+    """Load jobs that ended short (a transfer failed or timed out): their rest was recomputed."""
     num_saves_dropped: int = 0
     tiers: dict[str, TierCounters] = field(default_factory=dict)
 
@@ -127,7 +129,8 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens past the `num_computed_tokens` the device pool has that the connector will
-        load for this request (a multiple of the block size; 0: compute them)."""
+        load for this request (a multiple of the block size, but for a P/D decode: all of the
+        prompt but its last token; 0: compute them)."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: list[int],

@@ -12,14 +12,26 @@ tier in turn and keeps the longest run found; the cost model then says load or r
   DiskConnector         {"path": dir, "max_bytes": size}    one file per block, LRU
   RedisConnector        {"url": "redis://host:port/db"}     a pool shared by instances
   HostOffloadConnector  {"max_bytes": size}                 CUDA devices only (host memory)
+  TcpConnector          {"host": h, "port": p, "max_bytes": size}
+                                                            P/D: the producer serves its saved
+                                                            blocks on host:port, consumers read them
   MultiConnector        {"connectors": [{"kv_connector": ..., "kv_connector_extra_config": ...},
                          ...]}                              the above, searched in order
 
 Common extra keys (on MultiConnector: at its top level): "load_policy" ("cost" | "always" |
 "never"), "num_load_threads", "max_pending_save_blocks", "sync_saves" (a step returns only once
-its blocks are written: durable, slower), and "debug_load_delay_s" (slows every load: the hook
-the cost-model tests use). RedisConnector also takes "ttl_s", "connect_timeout_s", "timeout_s"
-and "retry_interval_s" (how long a failed server is skipped before it is tried again).
+its blocks are written: durable, slower), "debug_load_delay_s" (slows every load: the hook the
+cost-model and abort tests use) and "debug_fail_loads" (every load fails: the fallback tests).
+RedisConnector and TcpConnector also take "connect_timeout_s", "timeout_s" and "retry_interval_s"
+(how long a failed server is skipped before it is tried again); RedisConnector "ttl_s".
+
+Prefill/decode disaggregation is the two one-sided roles. A kv_producer (the prefill instance)
+saves, besides every full block, each prompt's last partial block (under a hash of its tokens and
+the chain before them), and its steps return only once their blocks are written (sync_saves on by
+default), so a prefill's response never overtakes its KV. A kv_consumer (the decode instance)
+looks that tail up too and loads all of the prompt but its last token, which it computes for the
+logits; its load_policy defaults to "always". A failed or missing block is recomputed, as for any
+tier, and counted.
 """
 
 from __future__ import annotations
@@ -36,7 +48,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.config import EngineConfig, KVTransferConfig, parse_size
-from pagedserve.core.block_hash import extend_block_hashes
+from pagedserve.core.block_hash import (
+    extend_block_hashes,
+    extra_keys_for_block,
+    hash_block_tokens,
+)
 from pagedserve.kv_transfer.base import (
     BlockTransfer,
     KVConnectorMetadata,
@@ -52,15 +68,18 @@ from pagedserve.request import Request
 
 logger = logging.getLogger(__name__)
 
-TIER_CONNECTORS = ("DiskConnector", "RedisConnector", "HostOffloadConnector")
+TIER_CONNECTORS = ("DiskConnector", "RedisConnector", "HostOffloadConnector", "TcpConnector")
 CONNECTORS = (*TIER_CONNECTORS, "MultiConnector")
 LOAD_POLICIES = ("cost", "always", "never")
 _COMMON_KEYS = {"load_policy", "num_load_threads", "max_pending_save_blocks", "sync_saves",
-                "debug_load_delay_s"}
-_REDIS_OPTIONS = ("ttl_s", "connect_timeout_s", "timeout_s", "retry_interval_s")
+                "debug_load_delay_s", "debug_fail_loads"}
+_CLIENT_OPTIONS = ("connect_timeout_s", "timeout_s", "retry_interval_s")
+_REDIS_OPTIONS = ("ttl_s", *_CLIENT_OPTIONS)
 _TIER_KEYS = {"DiskConnector": {"path", "max_bytes"},
               "RedisConnector": {"url", *_REDIS_OPTIONS},
-              "HostOffloadConnector": {"max_bytes"}}
+              "HostOffloadConnector": {"max_bytes"},
+              "TcpConnector": {"host", "port", "max_bytes", *_CLIENT_OPTIONS}}
+DEFAULT_TCP_HOST = "127.0.0.1"
 DEFAULT_DISK_PATH = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "kv")
 
 
@@ -78,6 +97,7 @@ class TieredOptions:
     max_pending_save_blocks: int = 4096
     sync_saves: bool = False
     debug_load_delay_s: float = 0.0
+    debug_fail_loads: bool = False
 
 
 def parse_tiers(config: KVTransferConfig, device: str) -> TieredOptions:
@@ -113,17 +133,27 @@ def parse_tiers(config: KVTransferConfig, device: str) -> TieredOptions:
         if name == "RedisConnector" and "url" not in options:
             raise ValueError("RedisConnector needs kv_connector_extra_config.url "
                              "(e.g. redis://127.0.0.1:6379/0)")
+        if name == "TcpConnector":
+            if config.kv_role == "kv_both":
+                raise ValueError("TcpConnector joins a prefill and a decode instance: give the "
+                                 "prefill kv_role kv_producer and the decode kv_role kv_consumer")
+            if "port" not in options:
+                raise ValueError("TcpConnector needs kv_connector_extra_config.port (where the "
+                                 "producer listens and the consumer connects)")
         if name == "HostOffloadConnector" and not device.startswith("cuda"):
             raise ValueError("HostOffloadConnector is offered on CUDA devices only: on the CPU the "
                              "KV pool is host memory already (use DiskConnector or RedisConnector)")
         tiers.append(TierSpec(name, dict(options)))
-    policy = extra.get("load_policy", "cost")
+    # The ends of P/D: a decode instance always takes the prefill's KV; a prefill's response
+    # must not overtake its KV (the decode instance would look it up too early).
+    policy = extra.get("load_policy", "always" if config.kv_role == "kv_consumer" else "cost")
     if policy not in LOAD_POLICIES:
         raise ValueError(f"load_policy must be one of {', '.join(LOAD_POLICIES)}, got {policy!r}")
     options = TieredOptions(
         tuple(tiers), policy, int(extra.get("num_load_threads", 4)),
-        int(extra.get("max_pending_save_blocks", 4096)), bool(extra.get("sync_saves", False)),
-        float(extra.get("debug_load_delay_s", 0.0)))
+        int(extra.get("max_pending_save_blocks", 4096)),
+        bool(extra.get("sync_saves", config.kv_role == "kv_producer")),
+        float(extra.get("debug_load_delay_s", 0.0)), bool(extra.get("debug_fail_loads", False)))
     if options.num_load_threads < 1 or options.max_pending_save_blocks < 1:
         raise ValueError("num_load_threads and max_pending_save_blocks must be >= 1")
     if options.debug_load_delay_s < 0:
@@ -131,17 +161,19 @@ def parse_tiers(config: KVTransferConfig, device: str) -> TieredOptions:
     return options
 
 
-class _DelayedStore(KVStore):
-    """A store whose reads take `delay_s` longer: stands in for a slow tier in tests."""
+class _DebugStore(KVStore):
+    """A store whose reads take `delay_s` longer, or fail: a slow or broken tier in tests."""
 
-    def __init__(self, inner: KVStore, delay_s: float) -> None:
-        self.inner, self.delay_s, self.name = inner, delay_s, inner.name
+    def __init__(self, inner: KVStore, delay_s: float, fail: bool) -> None:
+        self.inner, self.delay_s, self.fail, self.name = inner, delay_s, fail, inner.name
 
     def contains(self, keys: list[str]) -> list[bool]:
         return self.inner.contains(keys)
 
     def get(self, key: str) -> bytes | None:
         time.sleep(self.delay_s)
+        if self.fail:
+            raise KVStoreError("debug_fail_loads: injected failure")
         return self.inner.get(key)
 
     def put(self, key: str, value: bytes) -> None:
@@ -151,9 +183,10 @@ class _DelayedStore(KVStore):
         self.inner.close()
 
 
-_host_stores: dict[int, MemoryStore] = {}
-"""Host-memory tiers by the id of their engine's config: the scheduler half and the worker half
-of one engine share the one store (they run in the same process)."""
+_host_stores: dict[tuple[int, str], MemoryStore] = {}
+"""In-process tiers (host memory, a TCP producer's buffer) by the id of their engine's config
+and the connector: the scheduler half and the worker half of one engine share the one store
+(they run in the same process); the worker half closes it."""
 _host_stores_lock = threading.Lock()
 
 
@@ -171,14 +204,36 @@ def open_stores(config: EngineConfig, options: TieredOptions) -> list[KVStore]:
 
             store = RedisStore(spec.options["url"], **{
                 name: spec.options[name] for name in _REDIS_OPTIONS if name in spec.options})
+        elif spec.connector == "TcpConnector" and config.kv_transfer.is_consumer:
+            from pagedserve.kv_transfer.tcp_store import TcpStore
+
+            store = TcpStore(spec.options.get("host", DEFAULT_TCP_HOST), int(spec.options["port"]),
+                             **{name: float(spec.options[name]) for name in _CLIENT_OPTIONS
+                                if name in spec.options})
         else:
-            with _host_stores_lock:
-                store = _host_stores.setdefault(id(config.kv_transfer), MemoryStore(
-                    parse_size(spec.options.get("max_bytes", "4GiB"))))
-        if options.debug_load_delay_s:
-            store = _DelayedStore(store, options.debug_load_delay_s)
+            store = _shared_store(config, spec)
+        if options.debug_load_delay_s or options.debug_fail_loads:
+            store = _DebugStore(store, options.debug_load_delay_s, options.debug_fail_loads)
         stores.append(store)
     return stores
+
+
+def _shared_store(config: EngineConfig, spec: TierSpec) -> MemoryStore:
+    """The host tier, or the TCP producer's served buffer: one per engine."""
+    key = (id(config.kv_transfer), spec.connector)
+    with _host_stores_lock:
+        store = _host_stores.get(key)
+        if store is None:
+            if spec.connector == "TcpConnector":
+                from pagedserve.kv_transfer.tcp_store import ServedMemoryStore
+
+                store = ServedMemoryStore(spec.options.get("host", DEFAULT_TCP_HOST),
+                                          int(spec.options["port"]),
+                                          parse_size(spec.options.get("max_bytes", "2GiB")))
+            else:
+                store = MemoryStore(parse_size(spec.options.get("max_bytes", "4GiB")))
+            _host_stores[key] = store
+        return store
 
 
 def model_identity(config: EngineConfig) -> str:
@@ -212,6 +267,24 @@ class _Lookup:
     blocks: list[BlockTransfer] = field(default_factory=list)
     """The blocks to load (empty: none found, or the cost model said recompute)."""
     tiers: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    """Tokens the blocks hold for the request: whole blocks, except a P/D consumer's last block,
+    of which it takes all but the prompt's last token."""
+
+
+def tail_block(request: Request, block_size: int) -> tuple[int, bytes] | None:
+    """The prompt's last block when it is partial, as (index, hash): the hash chains on the full
+    blocks before it, as theirs do, and covers the partial block's tokens (None: the prompt
+    ends on a block boundary, or the request has outputs already)."""
+    index, num_tail = divmod(request.num_prompt_tokens, block_size)
+    if num_tail == 0 or request.num_tokens != request.num_prompt_tokens:
+        return None
+    extend_block_hashes(request.block_hashes, request.all_token_ids, block_size,
+                        request.cache_salt)
+    parent = request.block_hashes[index - 1] if index else None
+    tokens = request.all_token_ids[index * block_size : request.num_prompt_tokens]
+    return index, hash_block_tokens(parent, tokens,
+                                    ("tail", *extra_keys_for_block(index, request.cache_salt)))
 
 
 class TieredConnectorScheduler(KVConnectorScheduler):
@@ -237,9 +310,17 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self._pending_loads: list[LoadJob] = []
         self._num_saved_blocks: dict[str, int] = {}
         """req_id -> leading blocks that are in a tier or queued to be saved."""
+        role = config.kv_transfer.kv_role
+        self.save_tails = role == "kv_producer"
+        self.load_tails = role == "kv_consumer"
+        """P/D: the prefill saves each prompt's partial last block, the decode loads it."""
+        self._tails_saved: set[str] = set()
 
     def key(self, block_hash: bytes) -> str:
         return f"{self.key_prefix}:{block_hash.hex()}"
+
+    def tail_key(self, tail_hash: bytes) -> str:
+        return f"{self.key_prefix}:tail:{tail_hash.hex()}"
 
     def _probe_seconds_per_block(self, store: KVStore, bytes_per_block: int) -> float:
         """Time reads of a block-sized value from the store: the median of 3, or of those made
@@ -262,11 +343,10 @@ class TieredConnectorScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         lookup = self._lookups.get(request.request_id)
-        if lookup is not None and lookup.asked == (num_computed_tokens, request.num_tokens):
-            return len(lookup.blocks) * self.block_size
-        lookup = self._lookup(request, num_computed_tokens)
-        self._lookups[request.request_id] = lookup
-        return len(lookup.blocks) * self.block_size
+        if lookup is None or lookup.asked != (num_computed_tokens, request.num_tokens):
+            lookup = self._lookup(request, num_computed_tokens)
+            self._lookups[request.request_id] = lookup
+        return lookup.num_tokens
 
     def _lookup(self, request: Request, num_computed_tokens: int) -> _Lookup:
         """Which blocks past the pool's hit the tiers have, and whether to load them."""
@@ -277,7 +357,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         # As for the device pool: the last token is always computed (its logits are needed).
         hashes = request.block_hashes[first : (request.num_tokens - 1) // bs]
         self._num_saved_blocks[request.request_id] = first
-        if not hashes or not self.transfer_config.is_consumer:
+        if not self.transfer_config.is_consumer or (not hashes and not self.load_tails):
             return lookup
         keys = [self.key(h) for h in hashes]
         tier_of_block = [-1] * len(keys)
@@ -296,7 +376,8 @@ class TieredConnectorScheduler(KVConnectorScheduler):
                     tier_of_block[i] = tier
         num_found = next((i for i, t in enumerate(tier_of_block) if t < 0), len(keys))
         self.stats.lookup_tokens += len(keys) * bs
-        if num_found == 0:
+        tail = self._find_tail(request) if num_found == len(keys) and self.load_tails else None
+        if num_found == 0 and tail is None:
             return lookup
         tiers = tier_of_block[:num_found]
         for tier in tiers:
@@ -304,7 +385,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             self.stats.hit_tokens[name] = self.stats.hit_tokens.get(name, 0) + bs
         # Found in a tier: no need to save these again, whether loaded or recomputed.
         self._num_saved_blocks[request.request_id] = first + num_found
-        if not self.cost_model.should_load(tiers, num_computed_tokens, bs):
+        if tail is None and not self.cost_model.should_load(tiers, num_computed_tokens, bs):
             self.stats.decisions["recompute"] += 1
             return lookup
         self.stats.decisions["load"] += 1
@@ -313,14 +394,44 @@ class TieredConnectorScheduler(KVConnectorScheduler):
             index = first + i
             blocks.append(BlockTransfer(-1, keys[i], hashes[i],
                                         request.all_token_ids[index * bs : (index + 1) * bs]))
+        lookup.num_tokens = num_found * bs
+        if tail is not None:
+            blocks.append(tail[0])
+            tiers.append(tail[1])
+            # All of the prompt but its last token, which the decode computes for the logits.
+            lookup.num_tokens += (request.num_tokens - 1) % bs
         lookup.first, lookup.blocks, lookup.tiers = first, blocks, tiers
         return lookup
+
+    def _find_tail(self, request: Request) -> tuple[BlockTransfer, int] | None:
+        """P/D consumer: the prompt's last block (the one with its last token) and the first tier
+        that has it, when it holds tokens before the last one; else None."""
+        bs = self.block_size
+        index = (request.num_tokens - 1) // bs
+        if request.num_tokens != request.num_prompt_tokens or (request.num_tokens - 1) % bs == 0:
+            return None
+        tail = tail_block(request, bs)
+        if tail is None:  # the prompt ends on a boundary: its last block is a full one
+            block_hash = request.block_hashes[index]
+            key = self.key(block_hash)
+        else:
+            block_hash = tail[1]
+            key = self.tail_key(block_hash)
+        for tier, store in enumerate(self.stores):
+            try:
+                if store.contains([key])[0]:
+                    return BlockTransfer(-1, key, block_hash,
+                                         request.all_token_ids[index * bs : (index + 1) * bs]), tier
+            except KVStoreError as e:
+                logger.debug("KV tier %s lookup failed: %s", store.name, e)
+                self.stats.tiers[store.name].fault("io_error")
+        return None
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         lookup = self._lookups.pop(request.request_id)
         first, blocks, tiers = lookup.first, lookup.blocks, lookup.tiers
-        assert num_external_tokens == len(blocks) * self.block_size
+        assert num_external_tokens == lookup.num_tokens
         for i, block in enumerate(blocks):
             block.block_id = block_ids[first + i]
         self._pending_loads.append(LoadJob(request.request_id, blocks, tiers))
@@ -351,10 +462,29 @@ class TieredConnectorScheduler(KVConnectorScheduler):
                         request.block_hashes[index],
                         request.all_token_ids[index * bs : (index + 1) * bs]))
                 self._num_saved_blocks[req_id] = num_full
+            if self.save_tails:
+                saves.extend(self._tail_saves(requests, block_ids, num_scheduled_tokens))
         loads, self._pending_loads = self._pending_loads, []
         if not loads and not saves:
             return None
         return KVConnectorMetadata(loads=loads, saves=saves)
+
+    def _tail_saves(self, requests: dict[str, Request], block_ids: Callable[[str], list[int]],
+                    num_scheduled_tokens: dict[str, int]) -> list[BlockTransfer]:
+        """P/D producer: the partial last block of each prompt this step completed."""
+        saves = []
+        for req_id in num_scheduled_tokens:
+            request = requests[req_id]
+            if req_id in self._tails_saved or request.num_computed_tokens < request.num_tokens:
+                continue
+            tail = tail_block(request, self.block_size)
+            self._tails_saved.add(req_id)
+            if tail is not None:
+                index, tail_hash = tail
+                saves.append(BlockTransfer(
+                    block_ids(req_id)[index], self.tail_key(tail_hash), tail_hash,
+                    request.all_token_ids[index * self.block_size : request.num_prompt_tokens]))
+        return saves
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for name, counters in output.tiers.items():
@@ -367,6 +497,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
     def record_load_result(self, num_loaded_tokens: int, num_failed_tokens: int) -> None:
         self.stats.loaded_tokens += num_loaded_tokens
         self.stats.load_failed_tokens += num_failed_tokens
+        self.stats.load_fallbacks += num_failed_tokens > 0
 
     def get_stats(self) -> KVTierStats:
         return copy.deepcopy(self.stats)
@@ -374,11 +505,13 @@ class TieredConnectorScheduler(KVConnectorScheduler):
     def request_finished(self, request: Request) -> bool:
         self._num_saved_blocks.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._tails_saved.discard(request.request_id)
         return False
 
     def shutdown(self) -> None:
         with _host_stores_lock:
-            _host_stores.pop(id(self.transfer_config), None)
+            for key in [k for k in _host_stores if k[0] == id(self.transfer_config)]:
+                del _host_stores[key]
         stores, self.stores = self.stores, []
         for store in stores:
             if not isinstance(store, MemoryStore):
