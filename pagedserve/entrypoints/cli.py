@@ -1,4 +1,4 @@
-"""The `pagedserve` command: serve, generate, chat, bench.
+"""The `pagedserve` command: serve, generate, chat, router, bench.
 
 Environment variables and flags are read here and nowhere deeper: the engine gets configs.
 """
@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     api_server.add_cli_args(serve)
     serve.set_defaults(func=api_server.run_server)
+
+    router = commands.add_parser("router", help="route OpenAI API requests across servers")
+    from pagedserve.router import cli as router_cli
+
+    router_cli.add_cli_args(router)
+    router.set_defaults(func=router_cli.run_router)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
