@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from pagedserve.entrypoints.openai.auth import ApiKeyGate
 from pagedserve.entrypoints.openai.errors import APIError, bad_request, from_http_status
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.metrics import RouterMetrics, merge_metrics
@@ -411,6 +412,9 @@ def build_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="pagedserve router", lifespan=lifespan)
     app.state.router = router
+    if router.config.api_key is not None:
+        app.add_middleware(ApiKeyGate, api_key=router.config.api_key,
+                           open_paths=frozenset({"/health"}))
     _add_exception_handlers(app)
 
     async def proxy(request: Request, path: str) -> Response:

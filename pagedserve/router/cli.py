@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 import logging
 import sys
@@ -25,6 +26,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICY_NAMES, default=RouterConfig.policy)
     parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: $PAGEDSERVE_API_KEY)")
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--pd", action="store_true",
                     help="prefill each request on a --prefill worker, then decode it on a "

@@ -43,6 +43,10 @@ class RouterConfig:
     shutdown_timeout_s: float = 30.0
     """On SIGTERM, seconds open requests get to finish before they are cut."""
 
+    api_key: str | None = None
+    """If set, every route but /health needs `Authorization: Bearer <api_key>` (the header is
+    forwarded to the workers as it came)."""
+
     worker_metrics_label: str | None = None
     """If set, /metrics also serves every healthy worker's own metrics, each sample labelled
     `<worker_metrics_label>="<worker label>"` (data parallelism uses "replica")."""
@@ -68,6 +72,8 @@ class RouterConfig:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
         if self.worker_metrics_label is not None and not self.worker_metrics_label.isidentifier():
             raise ValueError("worker_metrics_label must be a Prometheus label name, got "
                              f"{self.worker_metrics_label!r}")
@@ -86,5 +92,6 @@ class RouterConfig:
             connect_timeout_s=args.connect_timeout,
             max_retries=args.max_retries,
             shutdown_timeout_s=args.shutdown_timeout,
+            api_key=args.api_key,
             worker_metrics_label=args.worker_metrics_label,
         )

@@ -136,6 +136,20 @@ def test_round_robin_alternates_and_forwards_authorization(start_worker, start_r
     assert router.metric("requests_total", worker=b.url) == 2
 
 
+def test_api_key_guards_every_route_but_health(start_worker, start_router):
+    a = start_worker("a")
+    router = start_router([a], api_key="k")
+    router.check_health()
+    assert router.client.post("/v1/completions", json={"prompt": "hi"}).status_code == 401
+    for path in ("/list_workers", "/metrics", "/v1/models"):
+        assert router.client.get(path).status_code == 401
+    assert router.client.post(f"/add_worker?url={a.url}x").status_code == 401
+    assert router.client.get("/health").status_code == 200
+    response = router.client.post("/v1/completions", headers={"Authorization": "Bearer k"},
+                                  json={"prompt": "hi"})
+    assert response.status_code == 200 and a.requests[-1].headers["authorization"] == "Bearer k"
+
+
 def test_cache_aware_keeps_prefixes_together_and_spreads_distinct_ones(start_worker, start_router):
     a, b = start_worker("a"), start_worker("b")
     router = start_router([a, b], policy="cache_aware")

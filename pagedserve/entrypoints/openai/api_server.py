@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor import ExecutorError
 from pagedserve.executor.multiproc import run_headless
 from pagedserve.entrypoints.openai import protocol as p
+from pagedserve.entrypoints.openai.auth import check_api_key, header
 from pagedserve.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -46,10 +46,12 @@ from pagedserve.entrypoints.openai.serving import OpenAIServing
 from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.models.loader import DEFAULT_MODEL
+from pagedserve.router.config import POLICY_NAMES
 
 logger = logging.getLogger(__name__)
 
-_UNAUTHENTICATED_PATHS = frozenset({"/health"})
+_UNAUTHENTICATED_PATHS = frozenset({"/health", "/load"})
+"""Polled by load balancers and the data-parallel router, which hold no key."""
 _CONNECTION_CLOSE_TIMEOUT = 5.0
 """Seconds uvicorn waits for open connections after the engine has drained."""
 _MAX_DISCARDED_BODY_BYTES = 64 << 20
@@ -65,7 +67,7 @@ class ServerConfig:
     served_model_name: str = DEFAULT_MODEL
     """The one name /v1/models lists and requests must use (or omit)."""
     api_key: str | None = None
-    """If set, every route but /health needs `Authorization: Bearer <api_key>`."""
+    """If set, every route but /health and /load needs `Authorization: Bearer <api_key>`."""
     max_num_waiting: int = 512
     """New generation requests get 503 while this many requests wait in the engine's queue."""
     max_request_body_bytes: int = 8 << 20
@@ -134,38 +136,18 @@ class _RequestGate:
     def _check(self, scope: Scope) -> APIError | None:
         config, path = self.state.config, scope["path"]
         if config.api_key is not None and path not in _UNAUTHENTICATED_PATHS:
-            error = _check_api_key(scope, config.api_key)
+            error = check_api_key(scope, config.api_key)
             if error is not None:
                 return error
-        if self.state.draining and path not in ("/health", "/metrics"):
+        if self.state.draining and path not in ("/health", "/load", "/metrics"):
             return APIError(503, "the server is shutting down", code="shutting_down")
-        content_length = _header(scope, b"content-length")
+        content_length = header(scope, b"content-length")
         if content_length is not None:
             if not content_length.isdigit():
                 return bad_request("invalid Content-Length header")
             if int(content_length) > config.max_request_body_bytes:
                 return _body_too_large(config.max_request_body_bytes)
         return None
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
-
-
-def _check_api_key(scope: Scope, api_key: str) -> APIError | None:
-    authorization = _header(scope, b"authorization")
-    if authorization is None:
-        return APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
-                        code="invalid_api_key")
-    scheme, _, token = authorization.partition(" ")
-    # compare_digest takes time independent of where the strings differ.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode("latin-1"), api_key.encode("utf-8")):
-        return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-    return None
 
 
 def _body_too_large(limit: int) -> APIError:
@@ -289,6 +271,13 @@ def build_app(
         if state.draining or async_llm.is_draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         return Response(status_code=200)
+
+    @app.get("/load")
+    async def load() -> dict:
+        """What the data-parallel router weighs when it picks a replica."""
+        stats = async_llm.get_stats()
+        return {"num_running": stats.num_running_reqs, "num_waiting": stats.num_waiting_reqs,
+                "kv_cache_usage": stats.kv_cache_usage}
 
     @app.get("/version")
     async def version() -> dict:
@@ -469,6 +458,10 @@ def run_server(args: argparse.Namespace) -> int:
     """Load the engine named by `args` and serve it; returns the exit code."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.data_parallel_size != 1:
+        from pagedserve.entrypoints.data_parallel import run_data_parallel
+
+        return run_data_parallel(args)
     engine_args = EngineArgs.from_cli_args(args)
     if args.headless:
         return run_headless(engine_args.create_parallel_config())
@@ -496,7 +489,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="the model name clients use (default: MODEL as given)")
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on every route but /health "
-                            "(default: $PAGEDSERVE_API_KEY)")
+                            "and /load (default: $PAGEDSERVE_API_KEY)")
     group.add_argument("--max-num-waiting", type=int, default=ServerConfig.max_num_waiting,
                        help="answer 503 while this many requests wait for the engine")
     group.add_argument("--max-request-body-bytes", type=parse_size,
@@ -506,6 +499,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--headless", action="store_true",
                        help="run only this node's workers of a multi-node engine (node 1 and "
                             "later: --nnodes, --node-rank, --master-addr, --master-port); no API")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine replicas (processes, each its own KV pool) behind this "
+                            "server, which routes each request to one of them")
+    group.add_argument("--dp-policy", choices=POLICY_NAMES, default="cache_aware",
+                       help="how a replica is picked (with -dp > 1); cache_aware: the one "
+                            "holding the longest prefix of the prompt, unless load is uneven")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
 
