@@ -5,8 +5,9 @@
   - prefill/decode disaggregation: a prefill and a decode instance (a thread each) joined by
     TcpConnector, behind `pagedserve router --pd`.
 For each: `pagedserve bench serve`'s throughput, TTFT and ITL, its prefix hit rate (usage's
-cached_tokens, which for P/D includes the KV the decode loaded), and the instances' own counters
-(prompt tokens computed, tokens loaded over the P/D transfer, the router's affinity hits).
+cached_tokens, which for P/D includes the KV the decode loaded), the device pools' own hit rate
+(without the transfer), and the instances' counters (prompt tokens computed, per instance; tokens
+loaded over the P/D transfer; the router's affinity hits).
 
     .venv/bin/python scripts/bench_many_instances.py --concurrency 8 32
 
@@ -124,29 +125,39 @@ def bench(args, base_url: str, concurrency: int, output: Path) -> dict:
          "--output-len", str(args.output_len), "--max-concurrency", str(concurrency),
          "--seed", str(concurrency), "--disable-progress", "--output-json", str(output)],
         check=True, stdout=subprocess.DEVNULL)
-    return json.loads(output.read_text())["metrics"]
+    metrics = json.loads(output.read_text())["metrics"]
+    # The part of cached_tokens from the device pools' prefix caches (not a P/D transfer).
+    metrics["pool_hit_rate"] = (((metrics["total_cached_tokens"] or 0)
+                                 - (metrics["total_kv_tier_cached_tokens"] or 0))
+                                / max(1, metrics["total_input_tokens"] or 0))
+    return metrics
 
 
 def run_case(case: Case, args, workdir: Path) -> dict:
     processes = []
+    workdir = workdir / case.name.replace("/", "").replace(" ", "-")
+    workdir.mkdir()
     try:
         for label, command, url in case.backends:
-            processes.append(start(command, workdir / f"{case.name}-{label}.log"))
+            processes.append(start(command, workdir / f"{label}.log"))
             wait_healthy(url + "/health", processes[-1])
         front_url = case.backends[0][2]
         if case.front is not None:
             command, front_url = case.front
-            processes.append(start(command, workdir / f"{case.name}-router.log"))
+            processes.append(start(command, workdir / "router.log"))
             wait_healthy(front_url + "/health", processes[-1])
         results = {}
         for concurrency in args.concurrency:
             before = [counters(url, SERVER_COUNTERS) for _, _, url in case.backends]
             metrics = bench(args, front_url, concurrency,
-                            workdir / f"{case.name}-{concurrency}.json")
+                            workdir / f"bench-{concurrency}.json")
             time.sleep(1.5)  # one stats interval: /metrics follows the engines' last steps
             after = [counters(url, SERVER_COUNTERS) for _, _, url in case.backends]
             server = {label: sum(a[label] - b[label] for a, b in zip(after, before))
                       for label in SERVER_COUNTERS}
+            per_instance = [a["prompt tokens computed"] - b["prompt tokens computed"]
+                            for a, b in zip(after, before)]
+            server["prompt tokens computed"] = "+".join(f"{n:.0f}" for n in per_instance)
             if case.front is not None and case.name.startswith("router"):
                 server.update(counters(front_url, ROUTER_COUNTERS))
             results[concurrency] = {"bench": metrics, "server": server}
@@ -189,7 +200,7 @@ def main() -> None:
     rows = [("requests/s", "request_throughput"), ("output tok/s", "output_throughput"),
             ("TTFT p50 ms", "median_ttft_ms"), ("TTFT p99 ms", "p99_ttft_ms"),
             ("ITL p50 ms", "median_itl_ms"), ("ITL p99 ms", "p99_itl_ms"),
-            ("prefix hit rate", "prefix_cache_hit_rate")]
+            ("prefix hit rate", "prefix_cache_hit_rate"), ("pool hit rate", "pool_hit_rate")]
     names = list(results)
     for concurrency in args.concurrency:
         print(f"\nconcurrency {concurrency}")
@@ -199,9 +210,14 @@ def main() -> None:
                 f"{results[n][concurrency]['bench'].get(key) or 0.0:20.2f}" for n in names))
         for label in [*SERVER_COUNTERS, *ROUTER_COUNTERS]:
             print(f"{label:24}" + "".join(
-                f"{results[n][concurrency]['server'].get(label, 0.0):20.0f}" for n in names))
+                f"{_number(results[n][concurrency]['server'].get(label, 0.0)):>20}"
+                for n in names))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=2))
+
+
+def _number(value: float | str) -> str:
+    return value if isinstance(value, str) else f"{value:.0f}"
 
 
 if __name__ == "__main__":
