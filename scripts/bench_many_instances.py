@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kv_tiers import cpu_name, free_port, wait_healthy  # noqa: E402
+from bench_kv_tiers import cpu_name, free_port, stop, wait_healthy  # noqa: E402
 
 SERVER_COUNTERS = {
     "prompt tokens computed": "pagedserve:prompt_tokens_total",
@@ -98,16 +97,6 @@ def start(command: list[str], log_path: Path) -> subprocess.Popen:
     with open(log_path, "wb") as log:
         return subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", *command],
                                 stdout=log, stderr=subprocess.STDOUT)
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def counters(base_url: str, names: dict[str, str]) -> dict[str, float]:

@@ -101,6 +101,20 @@ class ServedProcess:
         self.stop()
 
 
+def child_pids(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (a server's worker or replica processes), from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
 def metric(base_url: str, name: str, **labels: str) -> float:
     """The sum of every sample of `name` on base_url's /metrics whose labels include `labels`."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -21,14 +21,12 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedserve.entrypoints.openai.auth import ApiKeyGate
-from pagedserve.entrypoints.openai.errors import APIError, bad_request, from_http_status
+from pagedserve.entrypoints.openai.errors import APIError, add_exception_handlers, bad_request
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.metrics import RouterMetrics, merge_metrics
 from pagedserve.router.policies import WorkerLoad, create_policy, routing_text
@@ -415,7 +413,7 @@ def build_app(router: Router) -> FastAPI:
     if router.config.api_key is not None:
         app.add_middleware(ApiKeyGate, api_key=router.config.api_key,
                            open_paths=frozenset({"/health"}))
-    _add_exception_handlers(app)
+    add_exception_handlers(app)
 
     async def proxy(request: Request, path: str) -> Response:
         try:
@@ -482,29 +480,6 @@ def build_app(router: Router) -> FastAPI:
 
 def _forwarded_headers(request: Request) -> dict[str, str]:
     return {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
-
-
-def _add_exception_handlers(app: FastAPI) -> None:
-    async def on_api_error(request: Request, error: APIError) -> JSONResponse:
-        return error.response()
-
-    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return from_http_status(error.status_code).response(error.headers)
-
-    async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
-        return bad_request(f"{'.'.join(loc)}: {first.get('msg', 'invalid request')}",
-                           loc[0] if loc else None).response()
-
-    async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:
-        logger.exception("unhandled error serving %s", request.url.path)
-        return APIError(500, "internal server error", code="internal_error").response()
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(Exception, on_unexpected_error)
 
 
 # ---- serving ----------------------------------------------------------------------------------

@@ -18,16 +18,10 @@ from pagedserve.entrypoints.openai.errors import APIError
 
 
 class UpstreamError(APIError):
-    """A worker failed (502) or none is there (503). Typed server_error, which the table in
-    errors.py does not give 502."""
+    """A worker failed (502) or none is there (503)."""
 
     def __init__(self, message: str, code: str = "upstream_error", status_code: int = 502) -> None:
         super().__init__(status_code, message, code=code)
-
-    def body(self) -> dict:
-        body = super().body()
-        body["error"]["type"] = "server_error"
-        return body
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.entrypoints.utils import MODEL_NAME
-from tests.processes import ServedProcess, free_port, metric
+from tests.processes import ServedProcess, child_pids, free_port, metric
 
 pytestmark = pytest.mark.slow
 
@@ -60,18 +60,6 @@ def mixed_prompts(num_prompts: int, tag: str) -> list[str]:
             else f"Request {tag}-{i}: write a word that rhymes with number {i}."
             for i in range(num_prompts)]
 
-
-def child_pids(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
 
 
 def replicas(front: ServedProcess) -> dict[str, int]:

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.entrypoints.utils import MODEL_NAME, free_port
+from tests.processes import child_pids
 
 pytestmark = pytest.mark.slow
 
@@ -46,19 +47,6 @@ def wait_healthy(process: subprocess.Popen, base_url: str, log_path: Path) -> No
             pass
         time.sleep(0.2)
 
-
-def children(pid: int) -> list[int]:
-    """Pids whose parent is pid (the worker processes of a server)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
 
 
 def is_gone(pid: int) -> bool:
@@ -115,7 +103,7 @@ def test_tp3_serves_then_a_killed_worker_fails_the_server_cleanly(tmp_path,
     process = start([MODEL_NAME, "--port", str(port), "-tp", "3", *COMMON_FLAGS], log_path)
     try:
         wait_healthy(process, base_url, log_path)
-        workers = children(process.pid)
+        workers = child_pids(process.pid)
         assert len(workers) == 3, workers
         assert ask(base_url) == single_process_answers
 
@@ -176,7 +164,7 @@ def test_pp2_over_two_nodes_on_loopback(tmp_path, single_process_answers):
                    *COMMON_FLAGS], node0_log)
     try:
         wait_healthy(node0, base_url, node0_log)
-        assert len(children(node0.pid)) == 1 and len(children(node1.pid)) == 1
+        assert len(child_pids(node0.pid)) == 1 and len(child_pids(node1.pid)) == 1
         assert ask(base_url) == single_process_answers
         node0.send_signal(signal.SIGTERM)
         assert node0.wait(timeout=60) == 0, node0_log.read_text()[-3000:]

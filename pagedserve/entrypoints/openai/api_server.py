@@ -20,11 +20,9 @@ from typing import Any, TypeVar
 import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedserve
@@ -37,8 +35,8 @@ from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.auth import check_api_key, header
 from pagedserve.entrypoints.openai.errors import (
     APIError,
+    add_exception_handlers,
     bad_request,
-    from_http_status,
     from_validation_error,
 )
 from pagedserve.entrypoints.openai.generation import EventStream
@@ -241,7 +239,7 @@ def build_app(
     app = FastAPI(title="pagedserve", version=pagedserve.__version__)
     app.state.server = state
     app.add_middleware(_RequestGate, state=state)
-    _add_exception_handlers(app)
+    add_exception_handlers(app)
 
     async def read_request(raw_request: Request, model: type[RequestT]) -> RequestT:
         data = await _read_json(raw_request, state.config.max_request_body_bytes)
@@ -347,29 +345,6 @@ async def _read_json(raw_request: Request, max_num_bytes: int) -> dict:
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
     return data
-
-
-def _add_exception_handlers(app: FastAPI) -> None:
-    async def on_api_error(request: Request, error: APIError) -> JSONResponse:
-        return error.response()
-
-    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return from_http_status(error.status_code).response(error.headers)
-
-    async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        return bad_request(f"{'.'.join(loc)}: {first.get('msg', 'invalid request')}",
-                           loc[0] if loc else None).response()
-
-    async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:
-        logger.exception("unhandled error serving %s", request.url.path)
-        return APIError(500, "internal server error", code="internal_error").response()
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(Exception, on_unexpected_error)
 
 
 # ---- running ----------------------------------------------------------------------------------

@@ -6,10 +6,16 @@ file path or a pydantic dump. Knows nothing of the engine.
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -18,7 +24,9 @@ _ERROR_TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",
+    502: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -69,3 +77,30 @@ def from_validation_error(error: ValidationError) -> APIError:
     if loc:
         message = f"{'.'.join(loc)}: {message}"
     return bad_request(message, param=loc[0] if loc else None)
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    """Every error `app` answers becomes an OpenAI-style body: ours, Starlette's (unknown route,
+    wrong method), FastAPI's parameter validation, and anything unexpected (a 500 without
+    detail; the traceback goes to the log)."""
+
+    async def on_api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return from_http_status(error.status_code).response(error.headers)
+
+    async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
+        return bad_request(f"{'.'.join(loc)}: {first.get('msg', 'invalid request')}",
+                           loc[0] if loc else None).response()
+
+    async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s", request.url.path)
+        return APIError(500, "internal server error", code="internal_error").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_unexpected_error)
