@@ -1,8 +1,9 @@
 """The router: a pool of OpenAI-compatible workers behind one FastAPI app, and its server.
 
-Owns the worker pool (health polls, in-flight counts, run-time add/remove), proxying (one retry
-on another worker before the first response byte, the upstream request closed the moment the
-client leaves), P/D two-step requests, and the routes. Which worker gets a request is the
+Owns the worker pool (health polls, in-flight counts, run-time add/remove), proxying of the
+OpenAI routes and of /tokenize, /detokenize and /version (one retry on another worker before the
+first response byte, the upstream request closed the moment the client leaves), P/D two-step
+requests, and the routes. Which worker gets a request is the
 policy's (policies.py); relaying a stream is streaming.py's; metrics are metrics.py's.
 Knows nothing of the engine: a worker is a URL.
 """
@@ -257,6 +258,14 @@ class Router:
         return await self._forward_with_retry(path, content, headers, text,
                                               stream=body.get("stream") is True)
 
+    async def forward_plain(self, path: str, content: bytes,
+                            headers: dict[str, str]) -> Response:
+        """A request that generates nothing (/tokenize, /detokenize): any healthy worker that
+        serves clients, with the same retry; no prefix affinity, no P/D prefill."""
+        if not self.has_healthy_worker():
+            raise _no_healthy_worker(self.serving_role)
+        return await self._forward_with_retry(path, content, headers, "", stream=False)
+
     async def _forward_with_retry(self, path: str, content: bytes, headers: dict[str, str],
                                   text: str, stream: bool) -> Response:
         tried: set[str] = set()
@@ -342,20 +351,22 @@ class Router:
         self.metrics.stream_errors.inc()
         self.mark_unhealthy(worker.url, f"stream failed: {error!r}")
 
-    async def list_models(self, headers: dict[str, str]) -> Response:
-        """GET /v1/models from the first healthy worker that answers."""
+    async def get_from_any(self, path: str, headers: dict[str, str]) -> Response:
+        """GET `path` (/v1/models, /version) from the first healthy worker serving clients
+        (P/D: a decode worker) that answers."""
         assert self._client is not None
-        for worker in [w for w in self._workers.values() if w.healthy]:
+        for worker in [w for w in self._workers.values()
+                       if w.healthy and w.role == self.serving_role]:
             try:
-                response = await self._client.get(worker.url + "/v1/models", headers=headers,
+                response = await self._client.get(worker.url + path, headers=headers,
                                                   timeout=self.config.health_check_timeout_s)
             except httpx.TransportError as error:
-                self.mark_unhealthy(worker.url, f"/v1/models failed: {error!r}")
+                self.mark_unhealthy(worker.url, f"{path} failed: {error!r}")
                 continue
             if response.status_code not in _RETRY_STATUSES:
                 return Response(response.content, response.status_code,
                                 media_type=response.headers.get("content-type"))
-        raise _no_healthy_worker("regular")
+        raise _no_healthy_worker(self.serving_role)
 
     async def render_metrics(self) -> bytes:
         """The router's metrics, plus, with worker_metrics_label, every healthy worker's."""
@@ -415,7 +426,7 @@ def build_app(router: Router) -> FastAPI:
                            open_paths=frozenset({"/health"}))
     add_exception_handlers(app)
 
-    async def proxy(request: Request, path: str) -> Response:
+    async def proxy(request: Request, path: str, generates: bool = True) -> Response:
         try:
             content = await request.body()
         except ClientDisconnect:
@@ -427,8 +438,9 @@ def build_app(router: Router) -> FastAPI:
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         headers = {"content-type": "application/json", **_forwarded_headers(request)}
-        response = await until_disconnect(request.receive,
-                                           router.forward(path, content, body, headers))
+        work = (router.forward(path, content, body, headers) if generates
+                else router.forward_plain(path, content, headers))
+        response = await until_disconnect(request.receive, work)
         return Response(status_code=499) if response is None else response  # 499: client left
 
     @app.get("/health")
@@ -439,7 +451,19 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        return await router.list_models(_forwarded_headers(request))
+        return await router.get_from_any("/v1/models", _forwarded_headers(request))
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        return await router.get_from_any("/version", _forwarded_headers(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await proxy(request, "/tokenize", generates=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await proxy(request, "/detokenize", generates=False)
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:

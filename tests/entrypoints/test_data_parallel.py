@@ -145,6 +145,16 @@ def test_replicas_are_plain_serve_processes_on_loopback(front):
     assert httpx.get(front.base_url + "/health", timeout=10).status_code == 200
 
 
+def test_tokenize_and_version_pass_through_the_front(front):
+    tokens = httpx.post(front.base_url + "/tokenize", timeout=30,
+                        json={"model": MODEL_NAME, "prompt": PROMPTS[0]}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = httpx.post(front.base_url + "/detokenize", timeout=30,
+                      json={"model": MODEL_NAME, "tokens": tokens["tokens"]}).json()["prompt"]
+    assert text.endswith(PROMPTS[0])
+    assert "version" in httpx.get(front.base_url + "/version", timeout=30).json()
+
+
 def test_dp2_gives_the_same_greedy_tokens_as_one_engine(front, reference_texts):
     assert [complete(front.base_url, prompt) for prompt in PROMPTS] == reference_texts
     for url in replicas(front):  # whichever replica the router picked, both agree

@@ -153,6 +153,16 @@ class FakeWorker:
             return {"object": "list", "data": [{"id": "fake", "object": "model",
                                                 "owned_by": self.name}]}
 
+        @app.get("/version")
+        async def version() -> dict:
+            return {"version": self.name}
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> dict:
+            body = await request.json()
+            self.requests.append(ReceivedRequest(request.url.path, body, dict(request.headers)))
+            return {"tokens": [len(body.get("prompt", ""))], "worker": self.name}
+
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             return await self._generate(request)

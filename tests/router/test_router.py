@@ -150,6 +150,16 @@ def test_api_key_guards_every_route_but_health(start_worker, start_router):
     assert response.status_code == 200 and a.requests[-1].headers["authorization"] == "Bearer k"
 
 
+def test_tokenize_and_version_pass_through_without_a_prefill(start_worker, start_router):
+    prefill, decode = start_worker("p"), start_worker("d")
+    router = start_router(pd=True, prefill=[prefill], decode=[decode])
+    router.check_health()
+    response = router.client.post("/tokenize", json={"prompt": "hello"})
+    assert response.json() == {"tokens": [5], "worker": "d"}
+    assert router.client.get("/version").json() == {"version": "d"}
+    assert prefill.num_requests == 0  # nothing to prefill: the decode side answers alone
+
+
 def test_cache_aware_keeps_prefixes_together_and_spreads_distinct_ones(start_worker, start_router):
     a, b = start_worker("a"), start_worker("b")
     router = start_router([a, b], policy="cache_aware")
