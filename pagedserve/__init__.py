@@ -19,6 +19,7 @@ _EXPORTS = {
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "OutputKind": "pagedserve.outputs",
+    "LoRARequest": "pagedserve.lora.request",
 }
 
 

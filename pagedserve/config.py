@@ -266,6 +266,33 @@ class StructuredOutputConfig:
             raise ValueError(f"num_compile_threads must be >= 1, got {self.num_compile_threads}")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving, with vLLM's names: adapters apply per token over a shared base model.
+
+    The worker keeps `max_loras` device slots (the adapters one step may use) and up to
+    `max_cpu_loras` adapters loaded in host memory; both are LRU over adapters no request holds.
+    """
+
+    max_loras: int = 1
+    """Distinct adapters in one batch (the requests without an adapter do not count)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted; the slots are sized for it."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in host memory (default: max_loras); at least max_loras."""
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:  # frozen: resolve the default once, here
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+
 CPU_BINDING_MODES = ("auto", "none")
 
 
@@ -392,6 +419,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None
     """None: KV lives only in the device pool (no tiers)."""
+    lora: LoRAConfig | None = None
+    """None: no LoRA adapters (enable_lora off)."""
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,

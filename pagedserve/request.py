@@ -79,6 +79,10 @@ class Request:
     """Lower runs first; equal priorities run in arrival order."""
     cache_salt: str | None = None
     """Isolates this request's prefix-cache entries from requests with another salt."""
+    lora_int_id: int | None = None
+    """The LoRA adapter the request runs with (None: the base model)."""
+    lora_digest: str | None = None
+    """The adapter's content digest: its KV is cached apart from other adapters' and the base's."""
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -109,6 +113,16 @@ class Request:
         self.num_steps_in_flight = 0
         """Scheduled steps of this request whose results are not back yet (pipeline stages
         hold up to one per stage; otherwise 0 whenever the scheduler runs)."""
+
+    @property
+    def cache_namespace(self) -> tuple:
+        """What besides the tokens its KV depends on: the salt and the LoRA adapter (block_hash)."""
+        namespace: tuple = ()
+        if self.cache_salt is not None:
+            namespace += ("salt", self.cache_salt)
+        if self.lora_digest is not None:
+            namespace += ("lora", self.lora_digest)
+        return namespace
 
     @property
     def num_prompt_tokens(self) -> int:

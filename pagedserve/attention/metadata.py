@@ -82,21 +82,29 @@ def build_attention_metadata(
 
 
 _forward_context: AttentionMetadata | None = None
+_lora_step = None
 
 
 @contextlib.contextmanager
-def forward_context(attn_metadata: AttentionMetadata) -> Iterator[None]:
-    global _forward_context
+def forward_context(attn_metadata: AttentionMetadata, lora_step=None) -> Iterator[None]:
+    """The step's attention metadata and, when some token of the step uses a LoRA adapter, its
+    `LoRAStep` (lora/layers.py), for the layers to read during one forward pass."""
+    global _forward_context, _lora_step
     if _forward_context is not None:
         raise RuntimeError("forward contexts do not nest")
-    _forward_context = attn_metadata
+    _forward_context, _lora_step = attn_metadata, lora_step
     try:
         yield
     finally:
-        _forward_context = None
+        _forward_context = _lora_step = None
 
 
 def get_forward_context() -> AttentionMetadata:
     if _forward_context is None:
         raise RuntimeError("attention ran outside a forward context")
     return _forward_context
+
+
+def get_lora_step():
+    """The running step's LoRAStep, or None (no adapter in the step, or outside a step)."""
+    return _lora_step

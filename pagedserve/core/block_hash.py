@@ -1,8 +1,9 @@
 """Content hashes of full KV blocks, chained so that a hash names the whole prefix up to its block.
 
 hash(block i) = sha256(hash(block i-1) | token ids of block i | extra keys). Extra keys carry what
-else changes the KV for the same tokens (a cache salt now; a LoRA adapter later). The encoding is
-explicit bytes: nothing user-controlled is pickled or evaluated.
+else changes the KV for the same tokens (a request's cache namespace: its cache salt and its LoRA
+adapter's digest). The encoding is explicit bytes: nothing user-controlled is pickled or
+evaluated.
 """
 
 from __future__ import annotations
@@ -27,15 +28,14 @@ def hash_block_tokens(
     return hasher.digest()
 
 
-def extra_keys_for_block(block_index: int, cache_salt: str | None) -> tuple:
-    """The salt enters the first block only: the chain carries it into every later hash."""
-    if block_index == 0 and cache_salt is not None:
-        return ("salt", cache_salt)
-    return ()
+def extra_keys_for_block(block_index: int, namespace: tuple) -> tuple:
+    """The namespace (Request.cache_namespace: salt, adapter) enters the first block only: the
+    chain carries it into every later hash."""
+    return namespace if block_index == 0 else ()
 
 
 def extend_block_hashes(
-    block_hashes: list[BlockHash], token_ids: list[int], block_size: int, cache_salt: str | None
+    block_hashes: list[BlockHash], token_ids: list[int], block_size: int, namespace: tuple = ()
 ) -> None:
     """Append the hash of every full block of `token_ids` not hashed yet (in place)."""
     num_full_blocks = len(token_ids) // block_size
@@ -46,6 +46,6 @@ def extend_block_hashes(
             hash_block_tokens(
                 parent,
                 token_ids[start : start + block_size],
-                extra_keys_for_block(block_index, cache_salt),
+                extra_keys_for_block(block_index, namespace),
             )
         )

@@ -52,9 +52,8 @@ class KVCacheManager:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             # prompt logprobs need the logits of every prompt position: compute them all.
             return [], 0
-        extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
-        )
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            request.cache_namespace)
         # The last token is always recomputed: its logits give the first new token.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit_blocks = []
@@ -116,9 +115,8 @@ class KVCacheManager:
             # NOTE: only tokens whose ids are final: scheduled draft tokens (past num_tokens) may
             # be rejected, and a block indexed with them would serve wrong KV to later hits.
             num_full = min(num_total_tokens, request.num_tokens) // self.block_size
-            extend_block_hashes(
-                request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
-            )
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                                request.cache_namespace)
             self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
             self.num_cached_blocks[request.request_id] = max(num_cached, num_full)
         return new_blocks
@@ -130,9 +128,8 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks[request.request_id]
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
-        )
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            request.cache_namespace)
         self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
         self.num_cached_blocks[request.request_id] = max(num_cached, num_full)
 

@@ -27,6 +27,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     """Tokens with KV already in the cache (prefix-cache hits) before this step's tokens."""
+    lora_int_id: int | None = None
+    """The LoRA adapter the request runs with (None: the base model)."""
 
 
 @dataclass

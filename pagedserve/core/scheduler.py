@@ -40,10 +40,12 @@ from pagedserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-        connector: KVConnectorScheduler | None = None,
+        connector: KVConnectorScheduler | None = None, max_loras: int | None = None,
     ) -> None:
-        """connector: the scheduler half of the KV tiers (None: KV lives in the pool only)."""
+        """connector: the scheduler half of the KV tiers (None: KV lives in the pool only).
+        max_loras: distinct LoRA adapters one step may use (None: no adapters)."""
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -119,12 +121,16 @@ class Scheduler:
         cached_reqs = CachedRequestData()
         new_block_ids: dict[str, list[int]] = {}
         preempted: list[Request] = []
+        step_loras: set[int] = set()  # adapters of the requests scheduled: <= max_loras
 
         # 1. Running requests: decodes and unfinished prompts, in order.
         req_index = 0
         while (req_index < len(self.running) and token_budget > 0
                and len(num_scheduled) < max_num_reqs):
             request = self.running[req_index]
+            if not self._lora_fits(request, step_loras):
+                req_index += 1  # its adapter waits for a step with a free slot
+                continue
             num_new_tokens = self._num_new_tokens(request, token_budget)
             new_blocks = None
             while num_new_tokens > 0:
@@ -157,9 +163,11 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new_tokens
             new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             token_budget -= num_new_tokens
+            self._add_lora(request, step_loras)
             req_index += 1
 
         # 2. Waiting requests, by priority then arrival; not while this step had to preempt.
+        skipped: list[Request] = []  # passed over: their adapter finds no slot this step
         while (
             self._waiting
             and not preempted
@@ -168,6 +176,9 @@ class Scheduler:
             and len(num_scheduled) < max_num_reqs
         ):
             request = self._waiting[0][3]
+            if not self._lora_fits(request, step_loras):
+                skipped.append(heapq.heappop(self._waiting)[3])
+                continue
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             if self._start_load(request, computed_blocks, num_hit_tokens):
                 continue
@@ -192,6 +203,7 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            self._add_lora(request, step_loras)
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -200,8 +212,11 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
+                    lora_int_id=request.lora_int_id,
                 )
             )
+        for request in skipped:
+            self._push_waiting(request)
 
         for req_id in self._unknown_to_runner & num_scheduled.keys():
             request = self.requests[req_id]  # first scheduled since its load: new to the runner
@@ -212,6 +227,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(req_id),
                 num_computed_tokens=request.num_computed_tokens,
+                lora_int_id=request.lora_int_id,
             ))
             self._unknown_to_runner.discard(req_id)
         new_req_ids = {data.req_id for data in new_reqs}
@@ -312,6 +328,17 @@ class Scheduler:
         """The running request with the largest key is preempted first: lowest priority, then
         latest arrival, then latest admission (n > 1 copies share priority and arrival)."""
         return (request.priority, request.arrival_time, request.admission_order)
+
+    def _lora_fits(self, request: Request, step_loras: set[int]) -> bool:
+        """Whether the request's adapter (if any) may join the step's adapters."""
+        lora_id = request.lora_int_id
+        return (lora_id is None or lora_id in step_loras
+                or self.max_loras is not None and len(step_loras) < self.max_loras)
+
+    @staticmethod
+    def _add_lora(request: Request, step_loras: set[int]) -> None:
+        if request.lora_int_id is not None:
+            step_loras.add(request.lora_int_id)
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
         num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens

@@ -16,6 +16,7 @@ from pagedserve.config import (
     DeviceConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -139,6 +140,21 @@ class EngineArgs:
     """Steps of a few tokens through all decoder layers in one compiled call; --no-...: the
     modules one by one. Default: on unless PAGEDSERVE_FUSED_LAYERS=0."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters (LoRARequest offline, --lora-modules and `model` on the server)."""
+    max_loras: int = 1
+    """Distinct adapters in one batch."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted (the adapter slots are sized for it)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in host memory (default: max_loras)."""
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
+
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model)
         model_config = load_model_config(model_path)
@@ -183,6 +199,7 @@ class EngineArgs:
             ),
             parallel=self.create_parallel_config(),
             kv_transfer=parse_kv_transfer_config(self.kv_transfer_config),
+            lora=self.create_lora_config(),
         )
 
     def create_parallel_config(self) -> ParallelConfig:
@@ -207,7 +224,8 @@ class EngineArgs:
                 default = (f.default if f.default_factory is dataclasses.MISSING
                            else f.default_factory())  # the env-backed switches
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads"):
+            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads",
+                            "max_cpu_loras"):
                 parser.add_argument(flag, type=int, default=f.default)
             elif f.name == "speculative_config":
                 parser.add_argument(flag, type=str, default=None,

@@ -24,6 +24,7 @@ from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.executor import ExecutorError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import OutputKind, RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -89,6 +90,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs until the request finishes.
 
@@ -106,7 +108,7 @@ class AsyncLLM:
         def add() -> None:
             self.engine.add_request(
                 request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                output_kind=OutputKind.DELTA,
+                output_kind=OutputKind.DELTA, lora_request=lora_request,
             )
             self._consumers[request_id] = (loop, outputs)
 
@@ -132,6 +134,23 @@ class AsyncLLM:
         """Raise ValueError saying what is wrong unless the constraint compiles. Thread-safe and
         off the engine thread: the server checks a request before it is queued."""
         self.engine.structured_output_manager.validate(params)
+
+    async def add_lora(self, lora_request: LoRARequest, lora_dir: str | None = None) -> None:
+        """Check an adapter (off the engine thread), register it and load it into the workers
+        while steps go on; raises ValueError (nothing kept) if it cannot be served. lora_dir:
+        its files must lie inside (no traversal, no symlink out)."""
+        registry = self.engine.lora_registry
+        if registry is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        peft = await asyncio.to_thread(registry.inspect, lora_request, lora_dir)
+        load = await self._call(lambda: self.engine.start_adding_lora(lora_request, peft))
+        if load is not None:
+            await asyncio.wait([asyncio.wrap_future(load)])
+        await self._call(lambda: self.engine.finish_adding_lora(lora_request.lora_name))
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Forget an adapter; ValueError if unknown or still used by a request."""
+        await self._call(lambda: self.engine.remove_lora_by_name(lora_name))
 
     async def abort(self, request_id: str) -> None:
         await self._call(lambda: self._abort(request_id))
@@ -190,13 +209,13 @@ class AsyncLLM:
 
         self._commands.put(guarded)
 
-    async def _call(self, command: Callable[[], Any]) -> None:
-        """Run `command` in the engine thread and wait for it; its exception is re-raised here."""
+    async def _call(self, command: Callable[[], Any]) -> Any:
+        """Run `command` in the engine thread and return its result; its exception is re-raised
+        here."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def wrapped() -> None:
-            command()
-            future.set_result(None)
+            future.set_result(command())
 
         self._submit(wrapped, future)
         waiting = asyncio.wrap_future(future)
@@ -206,7 +225,7 @@ class AsyncLLM:
             if not future.done() and self.errored:
                 waiting.cancel()
                 raise EngineDeadError("the engine loop has failed")
-        await waiting
+        return await waiting
 
     def _abort(self, request_id: str) -> None:
         self._deliver_all(self.engine.abort_request(request_id))

@@ -10,6 +10,7 @@ from typing import Any
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import Tokenizer
@@ -38,8 +39,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; a single string, token-id list or dict is one prompt.
+        lora_request: one adapter for every prompt, or one per prompt (None: the base model);
+        needs enable_lora.
 
         A request whose grammar does not compile within the engine's budget comes back with
         `error` set and finish_reason "abort"; the others are unaffected.
@@ -56,6 +60,12 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_requests = [lora_request] * len(prompts)
+        else:
+            lora_requests = list(lora_request)
+            if len(lora_requests) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(lora_requests)} lora requests")
         # Offline there is no loop to keep serving: check constraints up front, so that a bad
         # one raises here (like any bad parameter) instead of failing its request later.
         for params in {id(p): p for p in params_list if p is not None}.values():
@@ -63,15 +73,26 @@ class LLM:
                 self.engine.structured_output_manager.validate(params.structured_outputs)
         request_ids = []
         try:
-            for prompt, params, prio in zip(prompts, params_list, priorities):
+            for prompt, params, prio, lora in zip(prompts, params_list, priorities,
+                                                  lora_requests):
                 # vLLM's prompt dicts may carry a cache salt: the tenant's prefix-cache namespace.
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                 request_ids.append(self.engine.add_request(None, prompt, params, priority=prio,
-                                                           cache_salt=salt))
+                                                           cache_salt=salt, lora_request=lora))
         except ValueError:
             self.engine.abort_request(request_ids)
             raise
         return self._run_engine(request_ids)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (else it loads with its first request)."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     def chat(
         self,

@@ -28,6 +28,9 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.executor import Executor
 from pagedserve.kv_transfer.cost_model import PrefillProfile, PrefillTiming
 from pagedserve.kv_transfer.tiered import TieredConnectorScheduler, TieredOptions, parse_tiers
+from pagedserve.lora.peft import AdapterError, PeftAdapter
+from pagedserve.lora.registry import Adapter, LoRARegistry
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import OutputKind, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -45,12 +48,15 @@ _GRAMMAR_POLL_SECONDS = 0.005
 
 
 @dataclass
-class _AwaitingGrammar:
-    """A request's sequences, held back from the scheduler until their grammar is compiled."""
+class _Awaiting:
+    """A request's sequences, held back from the scheduler until their grammar is compiled and
+    their LoRA adapter is loaded."""
 
     requests: list[Request]
-    grammar: concurrent.futures.Future
+    grammar: concurrent.futures.Future | None
     deadline: float
+    """When the grammar's compile budget runs out (an adapter load has no deadline)."""
+    adapter: Adapter | None = None
 
 
 class LLMEngine:
@@ -81,7 +87,14 @@ class LLMEngine:
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks=num_blocks,
-                                   connector=self._create_kv_connector(tier_options, num_blocks))
+                                   connector=self._create_kv_connector(tier_options, num_blocks),
+                                   max_loras=config.lora.max_loras if config.lora else None)
+        self.lora_registry = (
+            LoRARegistry(config.lora, config.model, self.executor.add_lora,
+                         self.executor.remove_lora)
+            if config.lora is not None else None)
+        self._request_adapters: dict[str, int] = {}
+        """Request id -> the LoRA adapter it holds until it finishes."""
         self._batch_queue: collections.deque[tuple[SchedulerOutput, Future]] = collections.deque()
         """Steps in flight, oldest first (more than one only with pipeline stages)."""
         if self.executor.max_concurrent_batches > 1:
@@ -92,8 +105,9 @@ class LLMEngine:
             self.tokenizer, config.model.vocab_size, config.model.eos_token_ids,
             config.structured_output,
         )
-        self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
-        """Request id -> its sequences whose grammar is still compiling."""
+        self._awaiting: dict[str, _Awaiting] = {}
+        """Request id -> its sequences whose grammar is still compiling or whose adapter is
+        still loading."""
         self._request_counter = itertools.count()
         self.max_batches_in_flight = 0
         """Most steps seen in flight at once (more than one only with pipeline stages)."""
@@ -172,8 +186,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (nothing queued) if it is invalid."""
+        """Queue a request; raises ValueError (nothing queued) if it is invalid.
+        lora_request: run with this LoRA adapter (registered and loaded on first use)."""
         params = (params or SamplingParams()).clone()
         text, prompt_token_ids = self.process_prompt(prompt)
         params.validate_for_vocab(self.config.model.vocab_size)
@@ -192,6 +208,7 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        adapter = self._adapter_for(lora_request)
 
         seq_params: dict[str, SamplingParams] = {}
         for index in range(params.n):
@@ -209,6 +226,8 @@ class LLMEngine:
                 priority=priority,
                 cache_salt=cache_salt,
                 arrival_time=arrival_time,
+                lora_int_id=adapter.lora_int_id if adapter else None,
+                lora_digest=adapter.peft.digest if adapter else None,
             )
             for seq_id, child in seq_params.items()
         ]
@@ -223,12 +242,23 @@ class LLMEngine:
         self.output_processor.add_request(
             request_id, text, prompt_token_ids, seq_params, output_kind, arrival_time
         )
-        if grammar is not None and not grammar.done():
+        if adapter is not None:
+            self.lora_registry.acquire(adapter)
+            self._request_adapters[request_id] = adapter.lora_int_id
+        if (grammar is not None and not grammar.done()) or (
+                adapter is not None and not adapter.loaded):
             deadline = time.monotonic() + self.structured_output_manager.config.compile_timeout_s
-            self._awaiting_grammar[request_id] = _AwaitingGrammar(requests, grammar, deadline)
+            self._awaiting[request_id] = _Awaiting(requests, grammar, deadline, adapter)
+            if adapter is not None:
+                self.lora_registry.start_load(adapter)
         else:
             self._schedule_requests(requests, grammar)
         return request_id
+
+    def _adapter_for(self, lora_request: LoRARequest | None) -> Adapter | None:
+        if lora_request is None:
+            return None
+        return self._lora_registry().register(lora_request)
 
     def _schedule_requests(
         self, requests: list[Request], grammar: concurrent.futures.Future | None
@@ -238,37 +268,57 @@ class LLMEngine:
                 request.constraint = self.structured_output_manager.new_state(grammar.result())
             self.scheduler.add_request(request)
 
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Hand requests whose grammar is ready to the scheduler; fail those whose grammar did
-        not compile or ran past its budget. Returns the failed requests' final outputs."""
-        if not self._awaiting_grammar:
+    def _admit_ready(self) -> list[RequestOutput]:
+        """Hand requests whose grammar is compiled and whose adapter is loaded to the scheduler;
+        fail those whose grammar did not compile or ran past its budget, or whose adapter did not
+        load. Returns the failed requests' final outputs."""
+        if not self._awaiting:
             return []
+        if self.lora_registry is not None:
+            self.lora_registry.poll()
         if not self.scheduler.has_unfinished_requests():
-            # Nothing else to run: wait a moment for a compile rather than spin.
-            concurrent.futures.wait([a.grammar for a in self._awaiting_grammar.values()],
-                                    timeout=_GRAMMAR_POLL_SECONDS,
+            # Nothing else to run: wait a moment for a compile or a load rather than spin.
+            pending = [a.grammar for a in self._awaiting.values() if a.grammar is not None]
+            if self.lora_registry is not None:
+                pending += self.lora_registry.pending_loads()
+                self.lora_registry.poll()
+            concurrent.futures.wait(pending, timeout=_GRAMMAR_POLL_SECONDS,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         failed = []
         now = time.monotonic()
-        for request_id, awaiting in list(self._awaiting_grammar.items()):
-            error = None
-            if awaiting.grammar.done():
-                error = awaiting.grammar.exception()
-                if error is None:
-                    del self._awaiting_grammar[request_id]
-                    self._schedule_requests(awaiting.requests, awaiting.grammar)
-                    continue
-            elif now >= awaiting.deadline:
-                budget = self.structured_output_manager.config.compile_timeout_s
-                error = ValueError(f"the structured output grammar did not compile within the "
-                                   f"{budget:g} s budget")
+        for request_id, awaiting in list(self._awaiting.items()):
+            error = self._awaiting_error(awaiting, now)
             if error is not None:
-                del self._awaiting_grammar[request_id]
-                self.structured_output_manager.compile_failed()
-                output = self.output_processor.fail_request(request_id, str(error))
+                del self._awaiting[request_id]
+                output = self.output_processor.fail_request(request_id, error)
                 if output is not None:
                     failed.append(output)
-        return failed
+                continue
+            grammar_ready = awaiting.grammar is None or awaiting.grammar.done()
+            adapter = awaiting.adapter
+            if adapter is not None and not adapter.loaded:
+                self.lora_registry.start_load(adapter)  # waits for room, or loads already
+            elif grammar_ready:
+                del self._awaiting[request_id]
+                self._schedule_requests(awaiting.requests, awaiting.grammar)
+        return self._release_adapters(failed)
+
+    def _awaiting_error(self, awaiting: _Awaiting, now: float) -> str | None:
+        """Why a held-back request fails, or None while it may still run."""
+        grammar = awaiting.grammar
+        if grammar is not None:
+            if grammar.done() and grammar.exception() is not None:
+                self.structured_output_manager.compile_failed()
+                return str(grammar.exception())
+            if not grammar.done() and now >= awaiting.deadline:
+                self.structured_output_manager.compile_failed()
+                budget = self.structured_output_manager.config.compile_timeout_s
+                return (f"the structured output grammar did not compile within the {budget:g} s "
+                        f"budget")
+        adapter = awaiting.adapter
+        if adapter is not None and adapter.load_error is not None and not adapter.loaded:
+            return f"LoRA adapter {adapter.name!r} failed to load: {adapter.load_error}"
+        return None
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Abort requests (unknown or finished ids are ignored); returns their final outputs,
@@ -277,14 +327,14 @@ class LLMEngine:
             request_ids = [request_ids]
         final_outputs = []
         for request_id in request_ids:
-            self._awaiting_grammar.pop(request_id, None)
+            self._awaiting.pop(request_id, None)
             seq_ids = self.output_processor.sequence_ids(request_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             output = self.output_processor.abort_request(request_id)
             if output is not None:
                 final_outputs.append(output)
         self._release_finished_if_idle()
-        return final_outputs
+        return self._release_adapters(final_outputs)
 
     @property
     def request_ids(self) -> list[str]:
@@ -294,7 +344,7 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        failed_outputs = self._admit_compiled()
+        failed_outputs = self._admit_ready()
         scheduler_output = self._schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         return failed_outputs + self._update_from_output(scheduler_output, runner_output)
@@ -304,7 +354,7 @@ class LLMEngine:
         computes batch i + 1 while stage 1 computes batch i. A request is in one batch at a time
         (its next token is not known before), so the running requests are spread over the
         batches; a prompt's chunks may follow each other down the pipeline."""
-        failed_outputs = self._admit_compiled()
+        failed_outputs = self._admit_ready()
         queue = self._batch_queue
         if len(queue) < self.executor.max_concurrent_batches:
             scheduler_output = self._schedule()
@@ -330,7 +380,15 @@ class LLMEngine:
         for seq_id, stop_str in processed.stopped_by_string.items():
             self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_str)
         self._release_finished_if_idle()
-        return processed.request_outputs
+        return self._release_adapters(processed.request_outputs)
+
+    def _release_adapters(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Let go of the adapters of the requests that finished among `outputs`."""
+        if self._request_adapters:
+            for output in outputs:
+                if output.finished and output.request_id in self._request_adapters:
+                    self.lora_registry.release(self._request_adapters.pop(output.request_id))
+        return outputs
 
     def _release_finished_if_idle(self) -> None:
         """Finished requests' runner state (draft KV) normally goes with the next step's
@@ -344,25 +402,83 @@ class LLMEngine:
                 self.scheduler.update_from_output(empty, self.executor.execute_model(empty))
 
     def has_unfinished_requests(self) -> bool:
-        return (bool(self._awaiting_grammar) or bool(self._batch_queue)
+        return (bool(self._awaiting) or bool(self._batch_queue)
                 or self.scheduler.has_unfinished_requests())
 
     @property
     def num_awaiting_grammar(self) -> int:
         """Requests held back while their grammar compiles."""
-        return len(self._awaiting_grammar)
+        return sum(1 for a in self._awaiting.values()
+                   if a.grammar is not None and not a.grammar.done())
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
-        stats.num_waiting_reqs += len(self._awaiting_grammar)
+        stats.num_waiting_reqs += len(self._awaiting)
         stats.structured_output = self.structured_output_manager.stats()
         return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
+    # ---- LoRA adapters ----------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter and load it into the workers now (blocking); raises ValueError
+        for a bad adapter, leaving nothing registered."""
+        load = self.start_adding_lora(lora_request)
+        if load is not None:
+            concurrent.futures.wait([load])
+        self.finish_adding_lora(lora_request.lora_name)
+        return True
+
+    def start_adding_lora(self, lora_request: LoRARequest, peft: PeftAdapter | None = None
+                          ) -> concurrent.futures.Future | None:
+        """Register an adapter and start loading it (the server's half of add_lora: it waits
+        for the returned load off the engine thread, then calls finish_adding_lora). peft: the
+        adapter already checked (LoRARegistry.inspect). None: no load started, because every
+        loaded adapter is in use (it loads when a request needs it)."""
+        registry = self._lora_registry()
+        return registry.start_load(registry.register(lora_request, peft))
+
+    def finish_adding_lora(self, lora_name: str) -> None:
+        """After start_adding_lora's load ended: if it failed, forget the adapter and raise."""
+        registry = self._lora_registry()
+        registry.poll()
+        adapter = registry.get(lora_name)
+        if adapter is not None and adapter.load_error is not None and not adapter.loaded:
+            error = adapter.load_error
+            registry.unregister(lora_name)
+            raise AdapterError(f"LoRA adapter {lora_name!r} failed to load: {error}")
+
+    def remove_lora_by_name(self, lora_name: str) -> None:
+        """Forget an adapter; AdapterError if unknown or in use."""
+        registry = self._lora_registry()
+        registry.poll()
+        registry.unregister(lora_name)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if it is unknown. Raises ValueError while requests use it."""
+        registry = self._lora_registry()
+        registry.poll()
+        for adapter in registry.adapters:
+            if adapter.lora_int_id == lora_int_id:
+                registry.unregister(adapter.name)
+                return True
+        return False
+
+    def list_loras(self) -> set[int]:
+        """Ids of the registered adapters."""
+        return {a.lora_int_id for a in self._lora_registry().adapters}
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.lora_registry is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
+        return self.lora_registry
+
     def shutdown(self) -> None:
         """Stop the workers (their processes, with more than one rank); safe to call twice."""
+        if self.lora_registry is not None:
+            self.lora_registry.shutdown()
         self.executor.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
@@ -378,8 +494,11 @@ class LLMEngine:
         problems = []
         if self.scheduler.has_unfinished_requests():
             problems.append(f"{len(self.scheduler.requests)} requests still queued")
-        if self._awaiting_grammar:
-            problems.append(f"{len(self._awaiting_grammar)} requests still await their grammar")
+        if self._awaiting:
+            problems.append(f"{len(self._awaiting)} requests still await their grammar or "
+                            f"adapter")
+        if self.lora_registry is not None:
+            problems += self.lora_registry.check_idle()
         if pool.num_free_blocks != pool.num_usable_blocks:
             problems.append(f"{pool.num_usable_blocks - pool.num_free_blocks} KV blocks still held")
         if self.output_processor.requests:

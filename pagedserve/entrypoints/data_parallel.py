@@ -104,6 +104,8 @@ def replica_flags(args: argparse.Namespace) -> list[str]:
             flags.append(long_flag if value else "--no-" + long_flag.removeprefix("--"))
         elif action.nargs == 0:  # store_true: only a True differs from the default
             flags.append(action.option_strings[0])
+        elif isinstance(value, list):  # nargs="+": --lora-modules a=x b=y
+            flags += [action.option_strings[0], *map(str, value)]
         else:
             flags += [action.option_strings[0], str(value)]
     return flags

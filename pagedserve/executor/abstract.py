@@ -57,6 +57,15 @@ class Executor(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot time a prefill")
 
     @abc.abstractmethod
+    def add_lora(self, lora_int_id: int, lora_path: str) -> None:
+        """Load a LoRA adapter into every worker's host memory. The uni-process executor may do
+        it on the calling thread while a step runs; raises ValueError for a bad adapter."""
+
+    @abc.abstractmethod
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter no request uses from every worker."""
+
+    @abc.abstractmethod
     def check_idle(self) -> list[str]:
         """What the workers still hold for requests: empty when idle (tests assert it)."""
 

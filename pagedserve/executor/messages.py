@@ -53,6 +53,20 @@ class CheckIdle:
 
 
 @dataclass
+class AddLoRA:
+    """Load an adapter into host memory. Every rank replies: None, or the error's message (a bad
+    adapter fails its own load, not the worker)."""
+
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass
+class RemoveLoRA:
+    lora_int_id: int
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -69,11 +83,11 @@ class WorkerFailure:
 
 
 for _cls in (Hello, InitWorker, DetermineNumKVBlocks, InitializeKVCache, ExecuteModel, CheckIdle,
-             Shutdown, WorkerReply, WorkerFailure, config_module.EngineConfig,
+             AddLoRA, RemoveLoRA, Shutdown, WorkerReply, WorkerFailure, config_module.EngineConfig,
              config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
              config_module.DeviceConfig, config_module.SpeculativeConfig,
              config_module.StructuredOutputConfig, config_module.ParallelConfig,
-             config_module.KVTransferConfig):
+             config_module.KVTransferConfig, config_module.LoRAConfig):
     serialization.register(_cls)
 
 _HEADER = struct.Struct(">I")

@@ -98,6 +98,9 @@ class MultiprocExecutor(Executor):
         self.max_concurrent_batches = parallel.pipeline_parallel_size
         self.output_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        """Makes queueing a call and sending its frame one step, so that calls from several
+        threads (a step, an adapter load) reach every rank whole and in the order queued."""
         self._pending: dict[int, collections.deque[_Call]] = {
             rank: collections.deque() for rank in range(self.world_size)}
         """Per rank, the calls awaiting its reply, in the order they were sent."""
@@ -152,6 +155,17 @@ class MultiprocExecutor(Executor):
         call.add_done_callback(unwrap)
         return output
 
+    def add_lora(self, lora_int_id: int, lora_path: str) -> None:
+        # Each rank loads between its steps (messages are handled in order).
+        replies = self._call(messages.AddLoRA(lora_int_id, lora_path), self._all_ranks).result()
+        errors = [error for error in replies.values() if error is not None]
+        if errors:
+            self.remove_lora(lora_int_id)  # the ranks that did load it
+            raise ValueError(errors[0])
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._call(messages.RemoveLoRA(lora_int_id), self._all_ranks).result()
+
     def check_idle(self) -> list[str]:
         replies = self._call(messages.CheckIdle(), self._all_ranks).result()
         return [f"rank {rank}: {problem}" for rank, problems in sorted(replies.items())
@@ -186,16 +200,17 @@ class MultiprocExecutor(Executor):
         """Send `message` to every rank; the future gets {rank: reply value} of reply_ranks."""
         frame = messages.encode_frame(message)
         call = _Call(Future(), set(reply_ranks))
-        with self._lock:
-            if self._failure is not None:
-                call.future.set_exception(ExecutorError(self._failure))
-                return call.future
-            for rank in reply_ranks:
-                self._pending[rank].append(call)
-        try:
-            self._send_to_all(frame)
-        except OSError as error:
-            self._fail(f"cannot reach the workers: {error}")
+        with self._send_lock:
+            with self._lock:
+                if self._failure is not None:
+                    call.future.set_exception(ExecutorError(self._failure))
+                    return call.future
+                for rank in reply_ranks:
+                    self._pending[rank].append(call)
+            try:
+                self._send_to_all(frame)
+            except OSError as error:
+                self._fail(f"cannot reach the workers: {error}")
         return call.future
 
     def _send_to_all(self, frame: bytes) -> None:

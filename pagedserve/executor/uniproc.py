@@ -33,6 +33,12 @@ class UniProcExecutor(Executor):
     def time_prefill(self, num_tokens: int, context_len: int) -> float:
         return self.worker.time_prefill(num_tokens, context_len)
 
+    def add_lora(self, lora_int_id: int, lora_path: str) -> None:
+        self.worker.add_lora(lora_int_id, lora_path)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.worker.remove_lora(lora_int_id)
+
     def check_idle(self) -> list[str]:
         return self.worker.check_idle()
 

@@ -64,6 +64,15 @@ def _handle(worker: Worker, message) -> messages.WorkerReply | None:
         return messages.WorkerReply()
     if isinstance(message, messages.CheckIdle):
         return messages.WorkerReply(worker.check_idle())
+    if isinstance(message, messages.AddLoRA):
+        try:
+            worker.add_lora(message.lora_int_id, message.lora_path)
+        except ValueError as error:
+            return messages.WorkerReply(str(error))
+        return messages.WorkerReply()
+    if isinstance(message, messages.RemoveLoRA):
+        worker.remove_lora(message.lora_int_id)
+        return messages.WorkerReply()
     raise TypeError(f"unexpected message {type(message).__name__}")
 
 

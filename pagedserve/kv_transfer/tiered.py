@@ -280,11 +280,11 @@ def tail_block(request: Request, block_size: int) -> tuple[int, bytes] | None:
     if num_tail == 0 or request.num_tokens != request.num_prompt_tokens:
         return None
     extend_block_hashes(request.block_hashes, request.all_token_ids, block_size,
-                        request.cache_salt)
+                        request.cache_namespace)
     parent = request.block_hashes[index - 1] if index else None
     tokens = request.all_token_ids[index * block_size : request.num_prompt_tokens]
     return index, hash_block_tokens(parent, tokens,
-                                    ("tail", *extra_keys_for_block(index, request.cache_salt)))
+                                    ("tail", *extra_keys_for_block(index, request.cache_namespace)))
 
 
 class TieredConnectorScheduler(KVConnectorScheduler):
@@ -352,7 +352,8 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         """Which blocks past the pool's hit the tiers have, and whether to load them."""
         lookup = _Lookup((num_computed_tokens, request.num_tokens))
         bs = self.block_size
-        extend_block_hashes(request.block_hashes, request.all_token_ids, bs, request.cache_salt)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, bs,
+                            request.cache_namespace)
         first = num_computed_tokens // bs
         # As for the device pool: the last token is always computed (its logits are needed).
         hashes = request.block_hashes[first : (request.num_tokens - 1) // bs]
@@ -454,7 +455,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
                 if num_full <= first:
                     continue
                 extend_block_hashes(request.block_hashes, request.all_token_ids, bs,
-                                    request.cache_salt)
+                                    request.cache_namespace)
                 table = block_ids(req_id)
                 for index in range(first, num_full):
                     saves.append(BlockTransfer(

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.attention.metadata import get_lora_step
 from pagedserve.distributed.parallel_state import GroupCoordinator, get_tp_group
 from pagedserve.layers.quantized import (
     GROUP_SIZE,
@@ -104,9 +105,13 @@ class Linear(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or (self.weight is not None and x.shape[0] > PACKED_MAX_ROWS):
-            return F.linear(x, self.weight, bias)
-        y = self.packed(x)
-        return y if bias is None else y + bias
+            y = F.linear(x, self.weight, bias)
+        else:
+            y = self.packed(x)
+            y = y if bias is None else y + bias
+        lora_step = get_lora_step()
+        # A row-parallel layer's caller all-reduces after this: its partial delta is summed too.
+        return y if lora_step is None else lora_step.add_delta(self, x, y)
 
     def _shard_slices(self) -> dict:
         """shard id -> the rows of `weight` it fills."""

@@ -21,7 +21,7 @@ from torch import nn
 
 from pagedserve.attention import AttentionBackend, create_attention_backend
 from pagedserve.attention.layer import Attention
-from pagedserve.attention.metadata import get_forward_context
+from pagedserve.attention.metadata import get_forward_context, get_lora_step
 from pagedserve.config import ModelConfig
 from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedserve.kernels import cpu_ops
@@ -196,9 +196,11 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             assert intermediate_tensors is None, "the first stage embeds; pass num_layers="
             hidden_states, residual = self.embed_tokens(input_ids), None
+            # A step with LoRA adapters runs the modules: the compiled stack adds no deltas.
             stack = (
                 self._decoder_stack()
-                if self.fused_decoder_layers and input_ids.shape[0] <= FUSED_MAX_TOKENS else None
+                if self.fused_decoder_layers and input_ids.shape[0] <= FUSED_MAX_TOKENS
+                and get_lora_step() is None else None
             )
             if stack is not None:
                 meta = get_forward_context()

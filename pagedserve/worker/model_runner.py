@@ -26,6 +26,7 @@ from pagedserve.core.outputs import (
 )
 from pagedserve.distributed import get_pp_group
 from pagedserve.kv_transfer.base import KVConnectorWorker
+from pagedserve.lora.worker_manager import WorkerLoRAManager
 from pagedserve.sample.bitmask import apply_token_bitmask_
 from pagedserve.sample.rejection_sampler import RejectionSampler
 from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -49,6 +50,7 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    lora_int_id: int | None = None
 
 
 class ModelRunner:
@@ -91,6 +93,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_connector: KVConnectorWorker | None = None
         """The worker half of the KV tiers (kv_transfer/); the worker sets it."""
+        self.lora_manager: WorkerLoRAManager | None = None
+        """The LoRA adapters' slots (lora/worker_manager.py); the worker sets it."""
 
     @property
     def kv_cache_bytes_per_block(self) -> int:
@@ -125,6 +129,7 @@ class ModelRunner:
                 num_computed_tokens=data.num_computed_tokens,
                 generator=generator,
                 output_token_ids=list(data.token_ids[data.num_prompt_tokens :]),
+                lora_int_id=data.lora_int_id,
             )
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed, new_token_ids in zip(
@@ -191,7 +196,11 @@ class ModelRunner:
         input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
         intermediate_tensors = self._receive_intermediate(len(input_ids))
-        with forward_context(meta):
+        lora_step = None
+        if self.lora_manager is not None:
+            lora_step = self.lora_manager.prepare_step([s.lora_int_id for s in states],
+                                                       query_start_loc)
+        with forward_context(meta, lora_step):
             hidden_states = self.model(input_ids_t, positions_t, intermediate_tensors)
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.wait_for_save(connector_meta)

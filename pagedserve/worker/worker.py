@@ -18,6 +18,7 @@ from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed import parallel_state
 from pagedserve.distributed.cpu_binding import bind_to_cpus, cpu_share, usable_cpus
 from pagedserve.kernels import cpu_ops
+from pagedserve.lora.worker_manager import WorkerLoRAManager
 from pagedserve.models.loader import load_model
 from pagedserve.worker.model_runner import DTYPES, ModelRunner
 
@@ -96,6 +97,24 @@ class Worker:
             self.model, config.model, config.cache, config.device, self.device,
             speculative_config=config.speculative,
         )
+        if config.lora is not None:
+            self.model_runner.lora_manager = WorkerLoRAManager(
+                self.model, config.model, config.lora, DTYPES[config.device.dtype], self.device)
+
+    # ---- LoRA adapters (lora/worker_manager.py) ---------------------------------------------
+
+    def add_lora(self, lora_int_id: int, lora_path: str) -> int:
+        """Load an adapter into host memory (safe beside a running step); returns its bytes."""
+        return self._lora_manager().add_adapter(lora_int_id, lora_path)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._lora_manager().remove_adapter(lora_int_id)
+
+    def _lora_manager(self) -> WorkerLoRAManager:
+        manager = self.model_runner.lora_manager
+        if manager is None:
+            raise ValueError("LoRA is not enabled on this engine (enable_lora)")
+        return manager
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank's KV memory budget holds (each block: its layers and KV heads)."""

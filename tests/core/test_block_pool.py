@@ -149,7 +149,7 @@ def test_chain_tail_is_evicted_first_when_a_request_is_freed():
     # blocks 1 and 2 stay hittable.
     manager.block_pool.get_new_blocks(3)
     hashes: list[bytes] = []
-    extend_block_hashes(hashes, prompt, block_size, None)
+    extend_block_hashes(hashes, prompt, block_size)
     assert manager.block_pool.get_cached_block(hashes[2]) is None
     assert manager.block_pool.get_cached_block(hashes[0]).block_id == 1
     assert manager.block_pool.get_cached_block(hashes[1]).block_id == 2

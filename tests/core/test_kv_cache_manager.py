@@ -24,7 +24,8 @@ def make_request(req_id: str, prompt: list[int], **kwargs) -> Request:
 
 def hashes_of(token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
     block_hashes: list[bytes] = []
-    extend_block_hashes(block_hashes, token_ids, BLOCK_SIZE, cache_salt)
+    extend_block_hashes(block_hashes, token_ids, BLOCK_SIZE,
+                        () if cache_salt is None else ("salt", cache_salt))
     return block_hashes
 
 
@@ -80,7 +81,7 @@ def test_extend_block_hashes_is_incremental():
     tokens = list(range(10))
     block_hashes = hashes_of(tokens[:5])
     assert len(block_hashes) == 1
-    extend_block_hashes(block_hashes, tokens, BLOCK_SIZE, None)
+    extend_block_hashes(block_hashes, tokens, BLOCK_SIZE)
     assert block_hashes == hashes_of(tokens)
 
 

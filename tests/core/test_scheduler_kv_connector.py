@@ -40,7 +40,7 @@ class FakeTier(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         extend_block_hashes(request.block_hashes, request.all_token_ids, BLOCK_SIZE,
-                            request.cache_salt)
+                            request.cache_namespace)
         first = num_computed_tokens // BLOCK_SIZE
         hashes = request.block_hashes[first : (request.num_tokens - 1) // BLOCK_SIZE]
         found = 0
@@ -68,7 +68,7 @@ class FakeTier(KVConnectorScheduler):
             num_full = min(request.num_computed_tokens, request.num_tokens) // BLOCK_SIZE
             first = self._num_saved.get(req_id, 0)
             extend_block_hashes(request.block_hashes, request.all_token_ids, BLOCK_SIZE,
-                                request.cache_salt)
+                                request.cache_namespace)
             table = block_ids(req_id)
             for index in range(first, num_full):
                 saves.append(BlockTransfer(table[index], "", request.block_hashes[index], []))
@@ -179,7 +179,7 @@ def test_a_corrupt_block_shortens_the_load_and_is_recomputed():
     harness.run_checked()
     # Corrupt the 4th block of the document: blocks 0-2 load, 3.. are computed.
     probe = make_request("probe", DOC + [9])
-    extend_block_hashes(probe.block_hashes, probe.all_token_ids, BLOCK_SIZE, None)
+    extend_block_hashes(probe.block_hashes, probe.all_token_ids, BLOCK_SIZE)
     tier.corrupt.add(probe.block_hashes[3])
     harness.add(make_request(*requests[1]))
     harness.run_checked()

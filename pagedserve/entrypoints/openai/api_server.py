@@ -41,6 +41,12 @@ from pagedserve.entrypoints.openai.errors import (
 )
 from pagedserve.entrypoints.openai.generation import EventStream
 from pagedserve.entrypoints.openai.serving import OpenAIServing
+from pagedserve.entrypoints.openai.serving_lora import (
+    LoRAModule,
+    LoRAServing,
+    parse_lora_module,
+    runtime_updates_from_env,
+)
 from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.models.loader import DEFAULT_MODEL
@@ -72,6 +78,13 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     """On SIGTERM, seconds running requests get to finish before the rest are aborted."""
     log_level: str = "info"
+    lora_modules: tuple[LoRAModule, ...] = ()
+    """LoRA adapters loaded at start-up, each served under its name (entrypoints/openai/
+    serving_lora.py)."""
+    lora_dir: str | None = None
+    """The directory runtime adapter loads must come from."""
+    enable_lora_runtime_updates: bool = False
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
 
     def __post_init__(self) -> None:
         if self.max_num_waiting < 0:
@@ -82,6 +95,9 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        if self.enable_lora_runtime_updates and self.lora_dir is None:
+            raise ValueError("--enable-lora-runtime-updates needs --lora-dir: the one directory "
+                             "adapters may be loaded from at run time")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
@@ -94,6 +110,10 @@ class ServerConfig:
             max_request_body_bytes=args.max_request_body_bytes,
             shutdown_timeout=args.shutdown_timeout,
             log_level=args.log_level,
+            lora_modules=tuple(parse_lora_module(v) for v in args.lora_modules or ()),
+            lora_dir=args.lora_dir,
+            enable_lora_runtime_updates=(args.enable_lora_runtime_updates
+                                         or runtime_updates_from_env()),
         )
 
 
@@ -234,10 +254,13 @@ def build_app(
     if stat_logger is None:
         stat_logger = next((s for s in async_llm.stat_loggers
                             if isinstance(s, PrometheusStatLogger)), None)
-    serving = OpenAIServing(async_llm, config.served_model_name)
+    lora = (LoRAServing(async_llm, config.served_model_name, config.lora_dir)
+            if async_llm.engine.lora_registry is not None else None)
+    serving = OpenAIServing(async_llm, config.served_model_name, lora)
     state = ServerState(config)
     app = FastAPI(title="pagedserve", version=pagedserve.__version__)
     app.state.server = state
+    app.state.lora = lora
     app.add_middleware(_RequestGate, state=state)
     add_exception_handlers(app)
 
@@ -294,8 +317,23 @@ def build_app(
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> Response:
-        serving.check_model(model_id)
-        return Response(serving.model_card().model_dump_json(), media_type="application/json")
+        return Response(serving.model_card(model_id).model_dump_json(),
+                        media_type="application/json")
+
+    if lora is not None and config.enable_lora_runtime_updates:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw_request: Request) -> Response:
+            request = await read_request(raw_request, p.LoadLoRAAdapterRequest)
+            await lora.load(request.lora_name, request.lora_path)
+            return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.",
+                            media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw_request: Request) -> Response:
+            request = await read_request(raw_request, p.UnloadLoRAAdapterRequest)
+            await lora.unload(request.lora_name)
+            return Response(f"Success: LoRA adapter '{request.lora_name}' removed "
+                            f"successfully.", media_type="text/plain")
 
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:
@@ -400,6 +438,18 @@ async def serve_app(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> 
         await async_llm.shutdown(drain_timeout=config.shutdown_timeout)
         drained = True
 
+    lora: LoRAServing | None = app.state.lora
+    try:
+        for module in config.lora_modules:  # start-up adapters: the operator's own paths
+            if lora is None:
+                raise ValueError("--lora-modules needs --enable-lora")
+            try:
+                await lora.load(module.name, module.path, module.base_model_name, confine=False)
+            except APIError as error:
+                raise ValueError(f"--lora-modules {module.name}: {error.message}") from None
+    except BaseException:
+        await async_llm.shutdown(drain_timeout=0)
+        raise
     uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port,
                                     log_level=config.log_level,
                                     timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT)
@@ -438,6 +488,8 @@ def run_server(args: argparse.Namespace) -> int:
 
         return run_data_parallel(args)
     engine_args = EngineArgs.from_cli_args(args)
+    if args.lora_modules or args.enable_lora_runtime_updates:
+        engine_args.enable_lora = True
     if args.headless:
         return run_headless(engine_args.create_parallel_config())
     config = ServerConfig.from_cli_args(args)
@@ -480,6 +532,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dp-policy", choices=POLICY_NAMES, default="cache_aware",
                        help="how a replica is picked (with -dp > 1); cache_aware: the one "
                             "holding the longest prefix of the prompt, unless load is uneven")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) to serve, each under its name as "
+                            "`model`; also vLLM's JSON form {\"name\": ..., \"path\": ...}; "
+                            "implies --enable-lora")
+    group.add_argument("--lora-dir", default=None,
+                       help="the only directory /v1/load_lora_adapter may load from")
+    group.add_argument("--enable-lora-runtime-updates", action="store_true",
+                       help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); needs --lora-dir")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
 

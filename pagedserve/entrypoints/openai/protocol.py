@@ -241,6 +241,20 @@ class ChatCompletionRequest(GenerationRequest):
         return value
 
 
+class LoadLoRAAdapterRequest(RequestModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """POST /v1/unload_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(RequestModel):
     """Exactly one of `prompt` (plain text) and `messages` (rendered with the chat template)."""
 
@@ -265,6 +279,10 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedserve"
     max_model_len: int
+    root: str | None = None
+    """The base model's name, or a LoRA adapter's path (as vLLM lists it)."""
+    parent: str | None = None
+    """A LoRA adapter's base model; None for the base itself."""
 
 
 class ModelList(ResponseModel):

@@ -23,12 +23,14 @@ from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineDrainin
 from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
 from pagedserve.entrypoints.openai.generation import EventStream, Generation
+from pagedserve.entrypoints.openai.serving_lora import LoRAServing
 from pagedserve.entrypoints.openai.tool_parsers import (
     ToolCallStreamer,
     ToolParser,
     new_tool_call_id,
 )
 from pagedserve.entrypoints.openai.tool_prompts import ToolPlan, plan_tools, template_messages
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -188,7 +190,7 @@ class _CompletionFormat:
 
     def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel:
         return p.CompletionStreamResponse(id=self.response_id, created=self.created,
-                                          model=self.serving.served_model_name, choices=choices,
+                                          model=self.serving.response_model(self.request), choices=choices,
                                           usage=usage)
 
     def final_choice(self, index: int, prompt_index: int, choice: _Choice,
@@ -208,7 +210,7 @@ class _CompletionFormat:
 
     def response(self, choices: list, usage: p.UsageInfo) -> BaseModel:
         return p.CompletionResponse(id=self.response_id, created=self.created,
-                                    model=self.serving.served_model_name, choices=choices,
+                                    model=self.serving.response_model(self.request), choices=choices,
                                     usage=usage)
 
 
@@ -264,7 +266,7 @@ class _ChatFormat:
 
     def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel:
         return p.ChatCompletionStreamResponse(id=self.response_id, created=self.created,
-                                              model=self.serving.served_model_name,
+                                              model=self.serving.response_model(self.request),
                                               choices=choices, usage=usage)
 
     def final_choice(self, index: int, prompt_index: int, choice: _Choice,
@@ -287,7 +289,7 @@ class _ChatFormat:
 
     def response(self, choices: list, usage: p.UsageInfo) -> BaseModel:
         return p.ChatCompletionResponse(id=self.response_id, created=self.created,
-                                        model=self.serving.served_model_name, choices=choices,
+                                        model=self.serving.response_model(self.request), choices=choices,
                                         usage=usage)
 
 
@@ -297,26 +299,47 @@ class _ChatFormat:
 class OpenAIServing:
     """The OpenAI API over one AsyncLLM. Each public coroutine raises APIError for bad requests."""
 
-    def __init__(self, async_llm: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str,
+                 lora: LoRAServing | None = None) -> None:
+        """lora: the LoRA adapters requests may name as `model` (None: LoRA is off)."""
         self.async_llm = async_llm
         self.tokenizer = async_llm.tokenizer
         self.served_model_name = served_model_name
+        self.lora = lora
         self.max_model_len = async_llm.max_model_len
         self.vocab_size = async_llm.model_config.vocab_size
 
     # ---- endpoints ----
 
     def models(self) -> p.ModelList:
-        return p.ModelList(data=[self.model_card()])
+        cards = [self.model_card()]
+        if self.lora is not None:
+            cards += self.lora.model_cards(self.max_model_len)
+        return p.ModelList(data=cards)
 
-    def model_card(self) -> p.ModelCard:
-        return p.ModelCard(id=self.served_model_name, max_model_len=self.max_model_len)
+    def model_card(self, model_id: str | None = None) -> p.ModelCard:
+        """The card of the base model, or of the adapter named `model_id`."""
+        lora = self.check_model(model_id)
+        if lora is not None:
+            return next(c for c in self.lora.model_cards(self.max_model_len) if c.id == model_id)
+        return p.ModelCard(id=self.served_model_name, max_model_len=self.max_model_len,
+                           root=self.served_model_name)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for an unknown name."""
+        if model is None or model == self.served_model_name:
+            return None
+        lora = self.lora.lookup(model) if self.lora is not None else None
+        if lora is None:
             shown = model if len(model) <= 100 else model[:100] + "..."
             raise APIError(404, f"The model `{shown}` does not exist.", param="model",
                            code="model_not_found")
+        return lora
+
+    def response_model(self, request: p.GenerationRequest) -> str:
+        """The `model` a response names: the adapter's when the request picked one (checked on
+        arrival: an adapter unloaded since still names the request it served)."""
+        return request.model or self.served_model_name
 
     async def create_completion(
         self, request: p.CompletionRequest
@@ -557,10 +580,11 @@ class OpenAIServing:
                    params: list[SamplingParams], fmt: _ResponseFormat) -> BaseModel | EventStream:
         # Engine ids are ours alone: clients' request_id values may repeat.
         base_id = f"cmpl-{uuid.uuid4().hex}"
+        lora = self.check_model(request.model)
         streams = [
             self.async_llm.generate({"prompt_token_ids": prompt.token_ids}, prompt_params,
                                     f"{base_id}-{index}", priority=request.priority,
-                                    cache_salt=request.cache_salt)
+                                    cache_salt=request.cache_salt, lora_request=lora)
             for index, (prompt, prompt_params) in enumerate(zip(prompts, params))
         ]
         generation = Generation(streams)
