@@ -161,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_bench.add_cli_args(serve_bench_parser)
     serve_bench_parser.set_defaults(func=cmd_bench_serve)
+    lora_parser = bench_commands.add_parser(
+        "lora", help="throughput with 0, 1, 4, 8 LoRA adapters against no LoRA; load latency")
+    from pagedserve.benchmarks import lora as lora_bench
+
+    lora_bench.add_cli_args(lora_parser)
+    lora_parser.set_defaults(func=lambda args: lora_bench.main(args) or 0)
     collectives_parser = bench_commands.add_parser(
         "collectives", help="time torch.distributed all-reduce and send/recv between processes"
     )

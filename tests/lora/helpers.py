@@ -7,6 +7,11 @@ import os
 
 import torch
 
+from pagedserve.benchmarks.lora import write_random_adapter
+
+__all__ = ["SEED_PROMPTS", "adapter_files", "make_adapter", "peft_greedy", "tiny_llama_dir",
+           "write_random_adapter"]
+
 SEED_PROMPTS = [[5, 17, 300, 42], list(range(100, 150)), [7] * 3, list(range(20, 60, 2))]
 
 
@@ -72,34 +77,3 @@ def peft_greedy(base_model, adapter_path: str | None, prompts: list[list[int]],
 def adapter_files(path) -> list[str]:
     return sorted(os.listdir(path))
 
-
-def write_random_adapter(path, model_config, rank: int, targets: list[str], seed: int,
-                         scale: float = 0.05, alpha: float | None = None,
-                         config_overrides: dict | None = None) -> str:
-    """A PEFT-format adapter for `model_config` (a pagedserve ModelConfig) written directly:
-    adapter_config.json and adapter_model.safetensors with random A and B."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from pagedserve.lora.peft import module_shape
-
-    path.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(model_config.num_hidden_layers):
-        for module in targets:
-            parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            prefix = f"base_model.model.model.layers.{layer}.{parent}.{module}"
-            in_features, out_features = module_shape(model_config, module)
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(
-                rank, in_features, generator=generator) * scale
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(
-                out_features, rank, generator=generator) * scale
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank,
-              "target_modules": targets, "bias": "none", "use_dora": False,
-              "use_rslora": False, "modules_to_save": None}
-    config.update(config_overrides or {})
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    return str(path)
