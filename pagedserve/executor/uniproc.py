@@ -33,6 +33,15 @@ class UniProcExecutor(Executor):
     def time_prefill(self, num_tokens: int, context_len: int) -> float:
         return self.worker.time_prefill(num_tokens, context_len)
 
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
+
+    def update_weights(self, model_path: str) -> None:
+        self.worker.update_weights(model_path)
+
     def check_idle(self) -> list[str]:
         return self.worker.check_idle()
 
