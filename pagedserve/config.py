@@ -392,6 +392,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None
     """None: KV lives only in the device pool (no tiers)."""
+    enable_sleep_mode: bool = False
+    """Allow sleep(level) / wake_up() while idle: free the KV pool (level 1), or the KV pool and
+    the weights (level 2), e.g. to lend the memory to another process (vLLM's name)."""
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,

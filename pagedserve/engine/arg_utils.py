@@ -139,6 +139,9 @@ class EngineArgs:
     """Steps of a few tokens through all decoder layers in one compiled call; --no-...: the
     modules one by one. Default: on unless PAGEDSERVE_FUSED_LAYERS=0."""
 
+    enable_sleep_mode: bool = False
+    """Allow LLM.sleep(level) / wake_up() (the server: POST /sleep, /wake_up, GET /is_sleeping)."""
+
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model)
         model_config = load_model_config(model_path)
@@ -183,6 +186,7 @@ class EngineArgs:
             ),
             parallel=self.create_parallel_config(),
             kv_transfer=parse_kv_transfer_config(self.kv_transfer_config),
+            enable_sleep_mode=self.enable_sleep_mode,
         )
 
     def create_parallel_config(self) -> ParallelConfig:
