@@ -50,7 +50,7 @@ class EngineSleepingError(RuntimeError):
 
 
 class EngineBusyError(ValueError):
-    """A lifecycle call (sleep, update_weights, reset_prefix_cache) needs an idle engine."""
+    """sleep and update_weights need an idle engine: no request in flight."""
 
 
 @dataclass

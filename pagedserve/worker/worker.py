@@ -3,8 +3,8 @@ shard of the model, its share of the KV cache, and the runner that executes step
 
 The executor drives workers through these calls only (init_device, load_model,
 determine_num_kv_blocks, initialize_kv_cache, execute_model, check_idle, shutdown; and, while
-idle, sleep, wake_up, update_weights); nothing here
-knows about queues, requests' text or how the executor reaches it (same process or a socket).
+idle, sleep, wake_up, update_weights); nothing here knows about queues, requests' text or how the
+executor reaches it (same process or a socket).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ most tests; one test runs the default model. Every engine is checked idle afterw
 from __future__ import annotations
 
 import argparse
+import json
 
 import psutil
 import pytest
@@ -229,3 +230,37 @@ def test_update_weights_refuses_another_shape_and_keeps_serving(tiny_dirs, make_
         llm.update_weights(tiny_dirs["b"])
     llm.wake_up()
     assert greedy_tokens(llm) == expected
+
+
+# ---- with KV tiers, with worker processes -------------------------------------------------------
+
+
+def test_kv_tiers_keep_their_blocks_through_sleep(tiny_dirs, make_tiny, tmp_path):
+    """Sleep empties the device pool, not the tiers: after a wake the prompts' KV comes back from
+    the disk tier (its queued saves were written before the KV went)."""
+    tiers = json.dumps({"kv_connector": "DiskConnector", "kv_connector_extra_config": {
+        "path": str(tmp_path), "max_bytes": "64MiB", "load_policy": "always",
+        "sync_saves": False}})
+    llm = make_tiny(tiny_dirs["a"], enable_sleep_mode=True, kv_transfer_config=tiers)
+    expected = greedy_tokens(llm)
+    llm.sleep(1)
+    llm.wake_up()
+    assert greedy_tokens(llm) == expected
+    assert llm.engine.get_stats().kv_tier.loaded_tokens >= 48  # PROMPTS[1]'s 3 full blocks
+    with pytest.raises(ValueError, match="KV tiers"):
+        llm.update_weights(tiny_dirs["b"])
+
+
+@pytest.mark.slow
+def test_worker_processes_sleep_wake_and_update_weights(tiny_dirs, make_tiny):
+    """Tensor parallel ranks (one process each) get every lifecycle call."""
+    expected_a = greedy_tokens(make_tiny(tiny_dirs["a"]))
+    expected_b = greedy_tokens(make_tiny(tiny_dirs["b"]))
+    llm = make_tiny(tiny_dirs["a"], enable_sleep_mode=True, tensor_parallel_size=2)
+    assert greedy_tokens(llm) == expected_a
+    for level in (1, 2):
+        llm.sleep(level)
+        llm.wake_up()
+        assert greedy_tokens(llm) == expected_a
+    llm.update_weights(tiny_dirs["b"])
+    assert greedy_tokens(llm) == expected_b

@@ -147,6 +147,7 @@ def test_sleep_wake_over_http(server, client, expected_text, level):
                                                    "max_tokens": 2, "stream": True})
     assert_error(stream, 503, "server_error", "engine_sleeping")
     assert client.post("/tokenize", json={"prompt": "Hi"}).status_code == 200  # no model needed
+    assert client.get("/v1/models").status_code == 200
     assert client.post("/sleep", params={"level": level}).status_code == 200  # again: a no-op
 
     assert client.post("/wake_up").status_code == 200
