@@ -421,6 +421,9 @@ class EngineConfig:
     """None: KV lives only in the device pool (no tiers)."""
     lora: LoRAConfig | None = None
     """None: no LoRA adapters (enable_lora off)."""
+    enable_sleep_mode: bool = False
+    """Allow sleep(level) / wake_up() while idle: free the KV pool (level 1), or the KV pool and
+    the weights (level 2), e.g. to lend the memory to another process (vLLM's name)."""
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,

@@ -148,6 +148,8 @@ class EngineArgs:
     """Largest adapter rank accepted (the adapter slots are sized for it)."""
     max_cpu_loras: int | None = None
     """Adapters kept loaded in host memory (default: max_loras)."""
+    enable_sleep_mode: bool = False
+    """Allow LLM.sleep(level) / wake_up() (the server: POST /sleep, /wake_up, GET /is_sleeping)."""
 
     def create_lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -200,6 +202,7 @@ class EngineArgs:
             parallel=self.create_parallel_config(),
             kv_transfer=parse_kv_transfer_config(self.kv_transfer_config),
             lora=self.create_lora_config(),
+            enable_sleep_mode=self.enable_sleep_mode,
         )
 
     def create_parallel_config(self) -> ParallelConfig:

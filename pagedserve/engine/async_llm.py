@@ -22,7 +22,7 @@ import torch
 
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.engine.llm_engine import EngineSleepingError, LLMEngine, PromptType
 from pagedserve.executor import ExecutorError
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import OutputKind, RequestOutput
@@ -101,6 +101,8 @@ class AsyncLLM:
             raise EngineDeadError("the engine loop has failed")
         if self.is_draining:
             raise EngineDrainingError("the server is shutting down")
+        if self.engine.is_sleeping:  # the engine checks again in add_request (it may fall asleep)
+            raise EngineSleepingError("the engine is sleeping: wake it up first")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -129,6 +131,28 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._submit(lambda: self._abort(request_id))
+
+    # ---- lifecycle: sleep mode, prefix cache, weights (run in the engine thread) -------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    async def sleep(self, level: int = 1) -> None:
+        """LLMEngine.sleep: EngineBusyError while requests are in flight (no waiting)."""
+        await self._call(lambda: self.engine.sleep(level))
+
+    async def wake_up(self) -> None:
+        await self._call(self.engine.wake_up)
+
+    async def reset_prefix_cache(self) -> bool:
+        """False while requests hold blocks."""
+        return await self._call(self.engine.reset_prefix_cache)
+
+    async def update_weights(self, model_path: str) -> None:
+        """LLMEngine.update_weights. The engine thread loads the file (seconds for a real
+        model); HTTP requests are still answered meanwhile, new generations wait in line."""
+        await self._call(lambda: self.engine.update_weights(model_path))
 
     def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Raise ValueError saying what is wrong unless the constraint compiles. Thread-safe and

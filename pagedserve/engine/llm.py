@@ -115,6 +115,24 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params)
 
+    # ---- lifecycle (vLLM's names; between generate calls the engine is always idle) ------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) or the KV cache and the weights (level 2) until
+        wake_up(); needs LLM(..., enable_sleep_mode=True). generate() raises
+        EngineSleepingError meanwhile."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def update_weights(self, model_path: str) -> None:
+        """Serve the weights of another model file of the same architecture and shape."""
+        self.engine.update_weights(model_path)
+
     def _run_engine(self, request_ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

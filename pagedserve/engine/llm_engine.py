@@ -31,6 +31,7 @@ from pagedserve.kv_transfer.tiered import TieredConnectorScheduler, TieredOption
 from pagedserve.lora.peft import AdapterError, PeftAdapter
 from pagedserve.lora.registry import Adapter, LoRARegistry
 from pagedserve.lora.request import LoRARequest
+from pagedserve.models.loader import load_model_config, resolve_model_path
 from pagedserve.outputs import OutputKind, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -45,6 +46,14 @@ PromptType = str | Sequence[int] | dict[str, Any]
 
 _GRAMMAR_POLL_SECONDS = 0.005
 """With nothing to run but requests whose grammar compiles, how long a step waits for one."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (sleep mode): no request runs until wake_up."""
+
+
+class EngineBusyError(ValueError):
+    """sleep and update_weights need an idle engine: no request in flight."""
 
 
 @dataclass
@@ -111,6 +120,7 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.max_batches_in_flight = 0
         """Most steps seen in flight at once (more than one only with pipeline stages)."""
+        self._sleep_level = 0
 
     def _create_kv_connector(self, options: TieredOptions | None,
                              num_blocks: int) -> TieredConnectorScheduler | None:
@@ -188,8 +198,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (nothing queued) if it is invalid.
+        """Queue a request; raises ValueError (nothing queued) if it is invalid, and
+        EngineSleepingError while the engine sleeps.
         lora_request: run with this LoRA adapter (registered and loaded on first use)."""
+        if self.sleep_level:
+            raise EngineSleepingError("the engine is sleeping: wake it up first")
         params = (params or SamplingParams()).clone()
         text, prompt_token_ids = self.process_prompt(prompt)
         params.validate_for_vocab(self.config.model.vocab_size)
@@ -474,6 +487,90 @@ class LLMEngine:
         if self.lora_registry is None:
             raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
         return self.lora_registry
+
+    # ---- lifecycle: sleep mode and weight reload --------------------------------------------
+    # Each needs an idle engine (EngineBusyError otherwise: the caller drains or aborts first,
+    # so no request's KV vanishes under it), and each forgets the prefix cache: its blocks'
+    # KV is gone (sleep) or was computed by other weights (update_weights). The KV tiers keep
+    # their blocks (they are keyed by token hashes; after update_weights they no longer match
+    # the weights, so an engine with tiers refuses update_weights).
+
+    @property
+    def sleep_level(self) -> int:
+        """0: awake; 1 or 2: asleep at that level (see sleep)."""
+        return self._sleep_level
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory while idle (needs enable_sleep_mode). Level 1 frees the KV pool (and a
+        draft model's KV) and keeps the weights in host memory; level 2 frees the weights too,
+        and wake_up reloads them from the model file. Until wake_up, add_request raises
+        EngineSleepingError. Sleeping again at a deeper level frees the rest; at the same or a
+        lighter level it does nothing."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self._check_idle_for("sleep")
+        if level <= self.sleep_level:
+            return
+        if not self.is_sleeping:
+            self._forget_prefix_cache()
+        self.executor.sleep(level)
+        self._sleep_level = level
+        logger.info("sleeping at level %d", level)
+
+    def wake_up(self) -> None:
+        """Reallocate the KV pool (empty) and bring the weights back; a no-op when awake."""
+        if not self.is_sleeping:
+            return
+        self.executor.wake_up()
+        self._sleep_level = 0
+        logger.info("awake")
+
+    def update_weights(self, model_path: str) -> None:
+        """Serve the weights of `model_path` from now on: a model file of the same architecture,
+        shape and vocabulary (ValueError, old weights kept, if not). Needs an awake, idle engine;
+        the prefix cache is forgotten."""
+        if self.is_sleeping:
+            raise ValueError("the engine is sleeping: wake it up before updating the weights")
+        if self.config.kv_transfer is not None:
+            raise ValueError("cannot update the weights of an engine with KV tiers: the tiers "
+                             "hold KV computed by the current weights")
+        self._check_idle_for("update the weights")
+        try:
+            path = resolve_model_path(model_path)
+            new_config = load_model_config(path)
+            new_tokenizer = Tokenizer.from_path(path)
+        except (OSError, ValueError, KeyError) as error:
+            raise ValueError(f"cannot read a model from {model_path!r}: {error}") from None
+        current = self.config.model
+        differing = [name for name in current.__dataclass_fields__
+                     if name != "name" and getattr(current, name) != getattr(new_config, name)]
+        if differing:
+            raise ValueError(
+                f"{model_path!r} is not the same model shape: " + ", ".join(
+                    f"{name} {getattr(new_config, name)!r} (serving {getattr(current, name)!r})"
+                    for name in differing))
+        if new_tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"{model_path!r} has another vocabulary than the served model")
+        self._forget_prefix_cache()
+        self.executor.update_weights(path)
+        logger.info("serving the weights of %s", path)
+
+    def _check_idle_for(self, action: str) -> None:
+        if self.has_unfinished_requests():
+            num_requests = len(self.output_processor.requests)
+            raise EngineBusyError(f"cannot {action} while requests are in flight "
+                                  f"({num_requests}): wait for them to finish or abort them")
+
+    def _forget_prefix_cache(self) -> None:
+        reset = self.reset_prefix_cache()
+        assert reset, "an idle engine's prefix cache held blocks"  # the caller checked idle
 
     def shutdown(self) -> None:
         """Stop the workers (their processes, with more than one rank); safe to call twice."""

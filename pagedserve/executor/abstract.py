@@ -56,6 +56,21 @@ class Executor(abc.ABC):
         the workers before any request runs (the KV tiers' cost model)."""
         raise NotImplementedError(f"{type(self).__name__} cannot time a prefill")
 
+    # ---- sleep mode and weight reload: every rank, only while no request runs -------------
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (level 1) or the KV cache and the weights (level 2) on every rank."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+
+    def wake_up(self) -> None:
+        """Bring back what sleep freed (weights reloaded from their file after level 2)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot wake up")
+
+    def update_weights(self, model_path: str) -> None:
+        """Every rank loads its shard of `model_path` (same architecture and shape) and runs it
+        from now on."""
+        raise NotImplementedError(f"{type(self).__name__} cannot update weights")
+
     @abc.abstractmethod
     def add_lora(self, lora_int_id: int, lora_path: str) -> None:
         """Load a LoRA adapter into every worker's host memory. The uni-process executor may do

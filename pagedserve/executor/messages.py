@@ -72,6 +72,25 @@ class Shutdown:
 
 
 @dataclass
+class Sleep:
+    """Free the KV cache (level 1), or the KV cache and the weights (level 2)."""
+
+    level: int
+
+
+@dataclass
+class WakeUp:
+    pass
+
+
+@dataclass
+class UpdateWeights:
+    """Load this rank's shard of another model file of the same shape, then run it."""
+
+    model_path: str
+
+
+@dataclass
 class WorkerReply:
     value: Any = None
 
@@ -83,7 +102,8 @@ class WorkerFailure:
 
 
 for _cls in (Hello, InitWorker, DetermineNumKVBlocks, InitializeKVCache, ExecuteModel, CheckIdle,
-             AddLoRA, RemoveLoRA, Shutdown, WorkerReply, WorkerFailure, config_module.EngineConfig,
+             AddLoRA, RemoveLoRA, Shutdown, Sleep, WakeUp, UpdateWeights, WorkerReply,
+             WorkerFailure, config_module.EngineConfig,
              config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
              config_module.DeviceConfig, config_module.SpeculativeConfig,
              config_module.StructuredOutputConfig, config_module.ParallelConfig,

@@ -166,6 +166,15 @@ class MultiprocExecutor(Executor):
     def remove_lora(self, lora_int_id: int) -> None:
         self._call(messages.RemoveLoRA(lora_int_id), self._all_ranks).result()
 
+    def sleep(self, level: int) -> None:
+        self._call(messages.Sleep(level), self._all_ranks).result()
+
+    def wake_up(self) -> None:
+        self._call(messages.WakeUp(), self._all_ranks).result()
+
+    def update_weights(self, model_path: str) -> None:
+        self._call(messages.UpdateWeights(model_path), self._all_ranks).result()
+
     def check_idle(self) -> list[str]:
         replies = self._call(messages.CheckIdle(), self._all_ranks).result()
         return [f"rank {rank}: {problem}" for rank, problems in sorted(replies.items())

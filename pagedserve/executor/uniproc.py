@@ -39,6 +39,15 @@ class UniProcExecutor(Executor):
     def remove_lora(self, lora_int_id: int) -> None:
         self.worker.remove_lora(lora_int_id)
 
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
+
+    def update_weights(self, model_path: str) -> None:
+        self.worker.update_weights(model_path)
+
     def check_idle(self) -> list[str]:
         return self.worker.check_idle()
 

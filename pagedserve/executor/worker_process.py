@@ -62,6 +62,15 @@ def _handle(worker: Worker, message) -> messages.WorkerReply | None:
     if isinstance(message, messages.InitializeKVCache):
         worker.initialize_kv_cache(message.num_blocks)
         return messages.WorkerReply()
+    if isinstance(message, messages.Sleep):
+        worker.sleep(message.level)
+        return messages.WorkerReply()
+    if isinstance(message, messages.WakeUp):
+        worker.wake_up()
+        return messages.WorkerReply()
+    if isinstance(message, messages.UpdateWeights):
+        worker.update_weights(message.model_path)
+        return messages.WorkerReply()
     if isinstance(message, messages.CheckIdle):
         return messages.WorkerReply(worker.check_idle())
     if isinstance(message, messages.AddLoRA):

@@ -60,17 +60,27 @@ class WorkerLoRAManager:
         self.device = device
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
-        self.targets: dict[tuple[int, str], _Target] = {}
-        self.slots: dict[torch.nn.Module, LayerLoRASlots] = {}
-        self._build_slots(model)
         self._host: dict[int, _HostAdapter] = {}
         self._lock = threading.Lock()
         """Guards _host: adapters load on another thread than the step's."""
-        self.slot_ids: list[int | None] = [None] * config.max_loras
         self._slot_last_use = [0] * config.max_loras
+        self.attach(model)
         self._clock = 0
         self.num_slot_loads = 0
         """Adapters copied into a slot so far (more than the adapters used: slots were swapped)."""
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Adapt `model` from now on (also after its weights were reloaded: sleep level 2,
+        update_weights): empty slots over its layers; the host copies stay."""
+        self.targets: dict[tuple[int, str], _Target] = {}
+        self.slots: dict[torch.nn.Module, LayerLoRASlots] = {}
+        self.slot_ids: list[int | None] = [None] * self.config.max_loras
+        self._build_slots(model)
+
+    def detach(self) -> None:
+        """Drop the slots and every reference to the model's layers (sleep level 2)."""
+        self.targets, self.slots = {}, {}
+        self.slot_ids = [None] * self.config.max_loras
 
     def _build_slots(self, model: torch.nn.Module) -> None:
         mapping = getattr(model, "packed_modules_mapping", {})

@@ -47,10 +47,20 @@ class DraftKVCache:
         # either kind, so a self-draft shares the target's layers). NOTE: the pool has the
         # target's block count, outside the KV memory budget; a quantized target has ~2x the
         # blocks, so this pool then takes ~2x the bytes it would beside a compute-dtype target.
-        self.kv_caches = KVCacheSpec.create(
-            "auto", dtype, num_layers, num_kv_heads, head_dim, block_size).allocate(
-                num_blocks, device)
+        self._spec = KVCacheSpec.create("auto", dtype, num_layers, num_kv_heads, head_dim,
+                                        block_size)
+        self._num_blocks, self._device = num_blocks, device
+        self.kv_caches = self._spec.allocate(num_blocks, device)
         self.requests: dict[str, DraftRequestState] = {}
+
+    def release_tensors(self) -> None:
+        """Sleep mode: drop the cache tensors (no request may hold blocks); reallocate_tensors()
+        makes new, zeroed ones of the same shape."""
+        assert not self.requests, "the draft KV is released while requests hold blocks"
+        self.kv_caches = []
+
+    def reallocate_tensors(self) -> None:
+        self.kv_caches = self._spec.allocate(self._num_blocks, self._device)
 
     def get_or_create(self, req_id: str) -> DraftRequestState:
         state = self.requests.get(req_id)

@@ -32,6 +32,7 @@ from pagedserve.sample.rejection_sampler import RejectionSampler
 from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedserve.sampling_params import SamplingParams, SamplingType
 from pagedserve.spec_decode import TargetInfo, create_proposer
+from pagedserve.spec_decode.draft_model import DraftModelProposer
 
 INTERMEDIATE_TENSOR_NAMES = ("hidden_states", "residual")
 """What a pipeline stage hands the next one (see models/llama.py)."""
@@ -102,6 +103,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate this rank's share of the paged KV cache (and the draft's, if any)."""
+        self.num_kv_blocks = num_blocks
         self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device)
         if self.speculative_config is not None:
             self.proposer = create_proposer(self.speculative_config, TargetInfo(
@@ -109,6 +111,43 @@ class ModelRunner:
                 self.device, self.device_config.keeps_weights_packed,
                 self.device_config.quantize_on_load,
             ))
+
+    # ---- sleep mode and weight reload -------------------------------------------------------
+
+    def release_kv_cache(self) -> None:
+        """Sleep mode: drop this rank's KV tensors and the draft's (idle only: no request may
+        hold blocks). The caller frees the memory (gc, malloc_trim); reallocate_kv_cache()
+        brings zeroed ones of the same shape back."""
+        assert not self.requests, "the KV cache is released while requests hold blocks"
+        self.kv_caches = []
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.kv.release_tensors()
+        for work in self._pending_sends:  # a pipeline stage's last send may hold activations
+            work.wait()
+        self._pending_sends, self._sent_tensors = [], []
+
+    def release_model(self) -> None:
+        """Sleep level 2 (after release_kv_cache): drop the model and the proposer (a draft
+        model's weights and KV). replace_model, then initialize_kv_cache, bring them back."""
+        self.model = None
+        self.proposer = None
+        if self.lora_manager is not None:
+            self.lora_manager.detach()  # its slots refer to the model's layers
+
+    def reallocate_kv_cache(self) -> None:
+        self.kv_caches = self.kv_cache_spec.allocate(self.num_kv_blocks, self.device)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.kv.reallocate_tensors()
+
+    def replace_model(self, model: torch.nn.Module) -> None:
+        """Run `model` (same architecture and shape) from now on (idle only). A self-draft
+        drafts with the new model's first layers; a separate draft model stays as it is."""
+        assert not self.requests, "the model is replaced while requests run"
+        self.model = model
+        if self.lora_manager is not None:
+            self.lora_manager.attach(model)
+        if isinstance(self.proposer, DraftModelProposer) and self.proposer.uses_layer_prefix:
+            self.proposer.model = model
 
     # ---- state sync -------------------------------------------------------------------------
 

@@ -2,14 +2,18 @@
 shard of the model, its share of the KV cache, and the runner that executes steps on them.
 
 The executor drives workers through these calls only (init_device, load_model,
-determine_num_kv_blocks, initialize_kv_cache, execute_model, check_idle, shutdown); nothing here
-knows about queues, requests' text or how the executor reaches it (same process or a socket).
+determine_num_kv_blocks, initialize_kv_cache, execute_model, check_idle, shutdown; and, while
+idle, sleep, wake_up, update_weights); nothing here knows about queues, requests' text or how the
+executor reaches it (same process or a socket).
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import hashlib
 import logging
+import sys
 
 import torch
 
@@ -44,6 +48,10 @@ class Worker:
         self.model = model
         self.model_runner: ModelRunner | None = None
         self.device = torch.device(config.device.device)
+        self.model_path = config.model_path
+        """The weights' file: update_weights changes it, a level-2 wake_up reloads from it."""
+        self.sleep_level = 0
+        """0: awake; 1: KV cache freed; 2: KV cache and weights freed (see sleep)."""
 
     # ---- start-up ---------------------------------------------------------------------------
 
@@ -88,11 +96,7 @@ class Worker:
     def load_model(self) -> None:
         config = self.config
         if self.model is None:
-            self.model = load_model(
-                config.model_path, config.model, DTYPES[config.device.dtype], self.device,
-                config.device.keeps_weights_packed, config.device.quantize_on_load,
-                self._kernel_config(),
-            )
+            self.model = self._load_weights(self.model_path)
         self.model_runner = ModelRunner(
             self.model, config.model, config.cache, config.device, self.device,
             speculative_config=config.speculative,
@@ -115,6 +119,14 @@ class Worker:
         if manager is None:
             raise ValueError("LoRA is not enabled on this engine (enable_lora)")
         return manager
+
+    def _load_weights(self, model_path: str) -> torch.nn.Module:
+        config = self.config
+        return load_model(
+            model_path, config.model, DTYPES[config.device.dtype], self.device,
+            config.device.keeps_weights_packed, config.device.quantize_on_load,
+            self._kernel_config(),
+        )
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks this rank's KV memory budget holds (each block: its layers and KV heads)."""
@@ -159,6 +171,67 @@ class Worker:
         output = self.model_runner.execute_model(scheduler_output)
         return output if self.is_output_rank else None
 
+    # ---- sleep mode and weight reload (the engine calls these only while idle) ---------------
+
+    def sleep(self, level: int) -> None:
+        """Free memory. Level 1: the KV cache (and a draft model's); the weights stay, in host
+        memory (moved there on CUDA). Level 2: the weights too: every reference this rank holds
+        to the model goes, and wake_up loads it again from its file. A level not deeper than
+        the current one is a no-op. The KV tiers keep what they hold (queued saves are written
+        first)."""
+        runner = self.model_runner
+        if level <= self.sleep_level:
+            return
+        if self.sleep_level == 0:
+            if runner.kv_connector is not None:
+                runner.kv_connector.flush_saves()
+                runner.kv_connector.register_kv_caches([])
+            runner.release_kv_cache()
+        if level == 2:
+            runner.release_model()
+            self.model = None
+        elif self.device.type == "cuda":
+            for model in self._models():
+                model.to("cpu")
+        self.sleep_level = level
+        release_memory(self.device)
+
+    def wake_up(self) -> None:
+        """Undo sleep: the weights back on the device (reloaded from the file after level 2),
+        and a zeroed KV cache of the same size (the engine has forgotten every cached block)."""
+        if self.sleep_level == 0:
+            return
+        runner = self.model_runner
+        if self.sleep_level == 2:
+            self.model = self._load_weights(self.model_path)
+            runner.replace_model(self.model)
+            with cpu_ops.building_with(self._kernel_config()):  # a separate draft reloads here
+                runner.initialize_kv_cache(runner.num_kv_blocks)
+        else:
+            if self.device.type == "cuda":
+                for model in self._models():
+                    model.to(self.device)
+            runner.reallocate_kv_cache()
+        if runner.kv_connector is not None:
+            runner.kv_connector.register_kv_caches(runner.kv_caches)
+        self.sleep_level = 0
+
+    def _models(self) -> list[torch.nn.Module]:
+        """The target model and a separate draft model (a self-draft is the target)."""
+        proposer = self.model_runner.proposer
+        draft = getattr(proposer, "model", None)
+        return [self.model] + ([draft] if draft is not None and draft is not self.model else [])
+
+    def update_weights(self, model_path: str) -> None:
+        """Run the weights of `model_path` from now on: a model of the same architecture and
+        shape (the engine checked its config). The new weights load before the old ones go, so
+        a file that fails to load leaves the old ones serving; memory peaks at both."""
+        assert self.sleep_level == 0, "weights are updated while asleep"
+        model = self._load_weights(model_path)
+        self.model_runner.replace_model(model)
+        self.model, self.model_path = model, model_path
+        release_memory(self.device)
+
     def check_idle(self) -> list[str]:
         """What this rank still holds for requests (empty when idle)."""
         runner, problems = self.model_runner, []
@@ -179,3 +252,18 @@ class Worker:
             self.model_runner.kv_connector = None
         if self.config.parallel.world_size > 1:
             parallel_state.destroy_model_parallel()
+
+
+def release_memory(device: torch.device) -> None:
+    """Return freed tensors' memory to the system: collect reference cycles (a module and its
+    compiled decoder stack), empty CUDA's caching allocator, and ask glibc to give back the
+    free pages it keeps in its heaps (large tensors are mmap'd and go back at once; many small
+    ones, e.g. a small model's weights, would stay in the process's RSS)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to trim
+            pass

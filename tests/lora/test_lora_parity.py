@@ -127,3 +127,18 @@ def test_tensor_parallel_equals_one_process(setup):
         llm.engine.assert_idle()
     finally:
         llm.engine.shutdown()
+
+
+def test_adapters_survive_sleep_level_2(setup):
+    """Level 2 drops the weights and the adapter slots; after wake_up the adapters apply to the
+    reloaded model and give the same tokens."""
+    model_dir, _, adapters = setup
+    llm = _llm(model_dir, enable_sleep_mode=True)
+    prompts = [{"prompt_token_ids": p} for p in SEED_PROMPTS]
+    loras = [adapters["qv8"], None, adapters["all16"], adapters["mlp8"]]
+    before = _tokens(llm.generate(prompts, _params(), lora_request=loras))
+    llm.engine.sleep(2)
+    llm.engine.wake_up()
+    assert _tokens(llm.generate(prompts, _params(), lora_request=loras)) == before
+    llm.engine.assert_idle()
+    llm.engine.shutdown()

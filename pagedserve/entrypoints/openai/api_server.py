@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import pagedserve
 from pagedserve.engine.arg_utils import EngineArgs, parse_size
 from pagedserve.engine.async_llm import AsyncLLM
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.llm_engine import EngineBusyError, LLMEngine
 from pagedserve.executor import ExecutorError
 from pagedserve.executor.multiproc import run_headless
 from pagedserve.entrypoints.openai import protocol as p
@@ -357,7 +357,58 @@ def build_app(
         request = await read_request(raw_request, p.DetokenizeRequest)
         return await respond(raw_request, serving.detokenize(request))
 
+    _add_lifecycle_routes(app, async_llm, read_request)
     return app
+
+
+def _add_lifecycle_routes(app: FastAPI, async_llm: AsyncLLM,
+                          read_request: Callable[..., Awaitable[BaseModel]]) -> None:
+    """Admin routes (vLLM's and SGLang's names), behind the API key like every other route.
+    Each needs an idle engine: 400 `engine_busy` while requests are in flight (the caller drains
+    or aborts them first; nothing waits). /sleep, /wake_up and /is_sleeping exist only with
+    --enable-sleep-mode; while asleep, generation requests get 503 `engine_sleeping`."""
+
+    async def lifecycle_call(call: Awaitable[Any]) -> Any:
+        try:
+            return await call
+        except EngineBusyError as error:
+            raise APIError(400, str(error), code="engine_busy") from None
+        except ValueError as error:
+            raise bad_request(str(error)) from None
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        if not await async_llm.reset_prefix_cache():
+            raise APIError(400, "cannot reset the prefix cache while requests hold KV blocks",
+                           code="engine_busy")
+        return Response(status_code=200)
+
+    async def update_weights(raw_request: Request) -> Response:
+        request = await read_request(raw_request, p.UpdateWeightsRequest)
+        await lifecycle_call(async_llm.update_weights(request.model_path))
+        response = p.UpdateWeightsResponse(
+            success=True, message=f"serving the weights of {request.model_path}")
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    app.post("/update_weights")(update_weights)
+    app.post("/update_weights_from_disk")(update_weights)  # SGLang's name for the same call
+
+    if not async_llm.engine.config.enable_sleep_mode:
+        return
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> Response:
+        await lifecycle_call(async_llm.sleep(level))
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up() -> Response:
+        await lifecycle_call(async_llm.wake_up())
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict:
+        return {"is_sleeping": async_llm.is_sleeping}
 
 
 async def _read_json(raw_request: Request, max_num_bytes: int) -> dict:

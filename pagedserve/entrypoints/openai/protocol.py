@@ -445,3 +445,21 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeResponse(ResponseModel):
     prompt: str
+
+
+# ---- lifecycle (admin) routes ------------------------------------------------------------------
+
+
+class UpdateWeightsRequest(RequestModel):
+    """POST /update_weights (SGLang's /update_weights_from_disk body, its `model_path` only: any
+    other key is refused rather than silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model_path: str = Field(min_length=1)
+    """A GGUF file, an HF directory or a short model name, read by the server's process."""
+
+
+class UpdateWeightsResponse(ResponseModel):
+    success: bool
+    message: str

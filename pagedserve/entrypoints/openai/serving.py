@@ -20,6 +20,7 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineDrainingError
+from pagedserve.engine.llm_engine import EngineSleepingError
 from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
 from pagedserve.entrypoints.openai.generation import EventStream, Generation
@@ -48,8 +49,12 @@ class PromptInput:
     """The prompt as text, when it came as text (echo); None for token-id prompts."""
 
 
-def engine_error(error: ValueError | EngineDrainingError | EngineDeadError) -> APIError:
+def engine_error(error: ValueError | EngineDrainingError | EngineDeadError | EngineSleepingError
+                 ) -> APIError:
     """The APIError for an exception out of AsyncLLM.generate (ValueError: bad input)."""
+    if isinstance(error, EngineSleepingError):
+        return APIError(503, "the engine is sleeping (sleep mode): POST /wake_up first",
+                        code="engine_sleeping")
     if isinstance(error, EngineDrainingError):
         return APIError(503, "the server is shutting down", code="shutting_down")
     if isinstance(error, EngineDeadError):
@@ -590,7 +595,7 @@ class OpenAIServing:
         generation = Generation(streams)
         try:
             await generation.start()
-        except (ValueError, EngineDrainingError, EngineDeadError) as error:
+        except (ValueError, EngineDrainingError, EngineDeadError, EngineSleepingError) as error:
             raise engine_error(error) from None
         usage = _Usage([len(prompt.token_ids) for prompt in prompts])
         if request.stream:
