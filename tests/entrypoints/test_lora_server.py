@@ -82,8 +82,9 @@ def _complete(server, model: str, max_tokens: int = 12) -> httpx.Response:
 
 
 def _models(server) -> dict[str, dict]:
+    """id -> card, less `created` (the time of the listing)."""
     data = httpx.get(server.base_url + "/v1/models", headers=HEADERS).json()["data"]
-    return {card["id"]: card for card in data}
+    return {card["id"]: {k: v for k, v in card.items() if k != "created"} for card in data}
 
 
 def _load(server, name: str, path: str) -> httpx.Response:
