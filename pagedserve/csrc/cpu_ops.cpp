@@ -1250,6 +1250,24 @@ struct DecoderLayerWeights {
   PackedLinear qkv, o, gate_up, down;
 };
 
+// A step's LoRA adapters in the masked form (pagedserve/lora/layers.py): per layer and linear
+// (qkv, o, gate_up, down) the slots' stacked A (slots * width, in) and transposed B
+// (slots * width, out); per linear kind the (T, slots * width) mask of each token's own slot.
+// y += ((x A^T) * mask) B, the ops and order of LoRAStep.add_delta: bitwise the same.
+struct StepLoRA {
+  const std::vector<torch::Tensor>& factors;
+  const std::vector<torch::Tensor>& masks;
+
+  bool active() const { return !factors.empty(); }
+
+  torch::Tensor add(torch::Tensor y, const torch::Tensor& x, int64_t layer, int64_t kind) const {
+    if (!active()) return y;
+    const torch::Tensor& a = factors[(layer * 4 + kind) * 2];
+    const torch::Tensor& b = factors[(layer * 4 + kind) * 2 + 1];
+    return y.add_(torch::matmul(torch::linear(x, a) * masks[kind], b));
+  }
+};
+
 class DecoderStack {
  public:
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
@@ -1276,11 +1294,17 @@ class DecoderStack {
   // hidden: (T, hidden) embeddings; kv_caches: per layer (key, value), or (key, value,
   // key_scale, value_scale) for a quantized cache. Every token t reads positions
   // [0, seq_lens[t]) of block-table row block_rows[t]. Returns the final-normed hidden states
-  // after the first num_layers layers.
+  // after the first num_layers layers. lora_factors, lora_masks: see StepLoRA (empty: none).
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions,
                         const std::vector<std::vector<torch::Tensor>>& kv_caches,
                         torch::Tensor slot_mapping, torch::Tensor block_table,
-                        torch::Tensor block_rows, torch::Tensor seq_lens, int64_t num_layers) {
+                        torch::Tensor block_rows, torch::Tensor seq_lens, int64_t num_layers,
+                        const std::vector<torch::Tensor>& lora_factors,
+                        const std::vector<torch::Tensor>& lora_masks) {
+    const StepLoRA lora{lora_factors, lora_masks};
+    TORCH_CHECK(!lora.active() || (lora_masks.size() == 4 &&
+                                   static_cast<int64_t>(lora_factors.size()) >= num_layers * 8),
+                "LoRA: 4 masks and (A, B) per linear of every layer run");
     const int64_t tokens = hidden.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
@@ -1291,7 +1315,7 @@ class DecoderStack {
       const DecoderLayerWeights& layer = layers_[i];
       auto normed = add_rms_norm(x, residual, layer.input_norm, eps_);
       residual = normed[1];
-      torch::Tensor qkv = layer.qkv(normed[0]);
+      torch::Tensor qkv = lora.add(layer.qkv(normed[0]), normed[0], i, 0);
       rotary_inplace(qkv, num_heads_ + num_kv_heads_, head_dim_, positions, cos_cache_,
                      sin_cache_);
       torch::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
@@ -1305,10 +1329,12 @@ class DecoderStack {
       write_kv(cache[0], cache[1], k, v, slot_mapping, key_scale, value_scale);
       torch::Tensor attn = paged_attention(q, cache[0], cache[1], block_table, block_rows,
                                            seq_lens, scale, key_scale, value_scale);
-      x = layer.o(attn.view({tokens, q_size}));
+      torch::Tensor attn_rows = attn.view({tokens, q_size});
+      x = lora.add(layer.o(attn_rows), attn_rows, i, 1);
       normed = add_rms_norm(x, residual, layer.post_attention_norm, eps_);
       residual = normed[1];
-      x = layer.down(silu_and_mul(layer.gate_up(normed[0])));
+      torch::Tensor activated = silu_and_mul(lora.add(layer.gate_up(normed[0]), normed[0], i, 2));
+      x = lora.add(layer.down(activated), activated, i, 3);
     }
     return add_rms_norm(x, residual, final_norm_, eps_)[0];
   }

@@ -23,7 +23,8 @@ import torch
 from pagedserve.config import LoRAConfig, ModelConfig
 from pagedserve.distributed.parallel_state import get_tp_group
 from pagedserve.layers.linear import MergedLinear
-from pagedserve.lora.layers import LayerLoRASlots, LoRAStep
+from pagedserve.lora.layers import MASKED_MAX_TOKENS, LayerLoRASlots, LoRAStep
+from pagedserve.models.decoder_stack import FUSED_MAX_TOKENS
 from pagedserve.lora.peft import TARGET_MODULES, inspect_adapter, module_shape
 
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
@@ -76,10 +77,16 @@ class WorkerLoRAManager:
         self.slots: dict[torch.nn.Module, LayerLoRASlots] = {}
         self.slot_ids: list[int | None] = [None] * self.config.max_loras
         self._build_slots(model)
+        self.stack_slots = [
+            self.slots[self.targets[(index, module)].layer]
+            for index in range(model.start_layer, model.end_layer)
+            for module in ("q_proj", "o_proj", "gate_proj", "down_proj")
+        ]
+        """The decoder stack's order: per layer qkv, o, gate_up, down."""
 
     def detach(self) -> None:
         """Drop the slots and every reference to the model's layers (sleep level 2)."""
-        self.targets, self.slots = {}, {}
+        self.targets, self.slots, self.stack_slots = {}, {}, []
         self.slot_ids = [None] * self.config.max_loras
 
     def _build_slots(self, model: torch.nn.Module) -> None:
@@ -105,11 +112,11 @@ class WorkerLoRAManager:
                 if layer not in self.slots:
                     width = num_shards * max_rank
                     self.slots[layer] = LayerLoRASlots(
-                        a=torch.zeros(max_loras, width, in_features, dtype=self.dtype,
+                        a=torch.zeros(max_loras * width, in_features, dtype=self.dtype,
                                       device=self.device),
-                        b=torch.zeros(max_loras, out_features, width, dtype=self.dtype,
+                        b=torch.zeros(max_loras * width, out_features, dtype=self.dtype,
                                       device=self.device),
-                        active=[False] * max_loras)
+                        width=width, active=[False] * max_loras)
 
     @property
     def slot_bytes(self) -> int:
@@ -177,7 +184,18 @@ class WorkerLoRAManager:
              else torch.tensor(token_rows, dtype=torch.int64, device=self.device))
             for slot, token_rows in rows.items()
         ]
-        return LoRAStep(groups, self.slots)
+        step = LoRAStep(groups, self.slots, num_slots=self.config.max_loras,
+                        stack_slots=self.stack_slots)
+        if num_tokens <= MASKED_MAX_TOKENS and (
+                groups[0][1] is not None or num_tokens <= FUSED_MAX_TOKENS):
+            # Small and mixed (several adapters, or adapter and base tokens), or small enough
+            # for the compiled decoder stack: the masked form.
+            token_slots = [-1] * num_tokens
+            for slot, token_rows in rows.items():
+                for row in token_rows:
+                    token_slots[row] = slot
+            step.token_slots = torch.tensor(token_slots, dtype=torch.int64, device=self.device)
+        return step
 
     def _activate(self, lora_ids: list[int]) -> dict[int, int]:
         """Slots holding `lora_ids` (at most max_loras), loading the missing ones into the least
@@ -208,17 +226,18 @@ class WorkerLoRAManager:
         if adapter is None:
             raise RuntimeError(f"adapter id {lora_id} is not loaded on this worker")
         for slots in self.slots.values():
-            slots.a[slot].zero_()
-            slots.b[slot].zero_()
+            columns = slice(slot * slots.width, (slot + 1) * slots.width)
+            slots.a[columns].zero_()
+            slots.b[columns].zero_()
             slots.active[slot] = False
         max_rank, rank = self.config.max_lora_rank, adapter.rank
         for key, (lora_a, lora_b) in adapter.factors.items():
             target = self.targets[key]
             slots = self.slots[target.layer]
-            first = target.shard_index * max_rank
+            first = slot * slots.width + target.shard_index * max_rank
             offset, size = target.out_rows
-            slots.a[slot, first : first + rank].copy_(lora_a)
-            slots.b[slot, offset : offset + size, first : first + rank].copy_(lora_b)
+            slots.a[first : first + rank].copy_(lora_a)
+            slots.b[first : first + rank, offset : offset + size].copy_(lora_b.t())
             slots.active[slot] = True
         self.slot_ids[slot] = lora_id
         self.num_slot_loads += 1

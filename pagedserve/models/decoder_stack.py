@@ -10,6 +10,9 @@ in one call, with no all-reduce between layers and no stage boundary, so it is o
 pipeline parallelism (the modules then run, reducing in the layers). Whether to use it at all is
 the model's KernelConfig.fused_decoder_layers (DeviceConfig; kernels/cpu_ops.py).
 
+A step with LoRA adapters runs them in the stack too, in their masked form (lora/layers.py):
+the same ops, so the same output as the modules.
+
 It reads the KV cache of any --kv-cache-dtype: each layer's cache tuple goes to the same write_kv
 and paged_attention kernels the modules call, with the scales of a quantized (int8 / fp8) cache
 (tests/attention/test_quantized_kv.py checks it against the modules).
@@ -69,10 +72,12 @@ def build_decoder_stack(model, kernels: ModuleType | None) -> object | None:
 
 def run_decoder_stack(
     stack, hidden_states: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-    num_layers: int,
+    num_layers: int, lora_step=None,
 ) -> torch.Tensor:
+    """lora_step: the step's LoRAStep (lora/layers.py), whose masked form the stack runs."""
     rows, lens = token_rows_and_lens(meta)
+    lora_factors, lora_masks = lora_step.stack_args() if lora_step is not None else ([], [])
     return stack.forward(
         hidden_states, positions, meta.kv_caches, meta.slot_mapping, meta.block_table, rows,
-        lens, num_layers,
+        lens, num_layers, lora_factors, lora_masks,
     )

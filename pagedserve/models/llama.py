@@ -196,15 +196,14 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             assert intermediate_tensors is None, "the first stage embeds; pass num_layers="
             hidden_states, residual = self.embed_tokens(input_ids), None
-            # A step with LoRA adapters runs the modules: the compiled stack adds no deltas.
             stack = (
                 self._decoder_stack()
-                if self.fused_decoder_layers and input_ids.shape[0] <= FUSED_MAX_TOKENS
-                and get_lora_step() is None else None
+                if self.fused_decoder_layers and input_ids.shape[0] <= FUSED_MAX_TOKENS else None
             )
             if stack is not None:
                 meta = get_forward_context()
-                return run_decoder_stack(stack, hidden_states, positions, meta, end_layer)
+                return run_decoder_stack(stack, hidden_states, positions, meta, end_layer,
+                                         get_lora_step())
         else:
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]

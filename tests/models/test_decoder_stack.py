@@ -20,9 +20,9 @@ pytestmark = [
 ]
 
 
-def _generate(llm, prompts, max_tokens=24):
+def _generate(llm, prompts, max_tokens=24, lora_request=None):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1)
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, lora_request=lora_request)
     return [
         (out.outputs[0].token_ids, [
             pos[token].logprob for pos, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)
@@ -61,6 +61,31 @@ def test_stack_equals_modules(make_llm, monkeypatch, stack_calls, num_prompts):
     plain = _generate(llm, prompts)
     assert not calls
     assert fused == plain  # (make_llm checks every block is free and every queue empty)
+
+
+def test_stack_equals_modules_with_lora_adapters(make_llm, model_path, monkeypatch, stack_calls,
+                                                 tmp_path):
+    """Steps mixing two adapters and the base run the masked LoRA form inside the stack."""
+    from pagedserve.lora import LoRARequest
+    from pagedserve.models.loader import load_model_config
+    from tests.lora.helpers import write_random_adapter
+
+    config = load_model_config(model_path)
+    loras = [LoRARequest(f"a{i}", i + 1, write_random_adapter(
+        tmp_path / f"a{i}", config, rank, targets, seed=i, scale=0.08))
+        for i, (rank, targets) in enumerate([(8, ["q_proj", "v_proj", "down_proj"]),
+                                             (16, ["o_proj", "gate_proj", "up_proj"])])]
+    llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, enable_lora=True, max_loras=2)
+    for lora in loras:
+        llm.add_lora(lora)  # loaded before: both runs take the same steps
+    prompts, per_prompt = PARITY_PROMPTS[:4], [loras[0], None, loras[1], loras[0]]
+    fused = _generate(llm, prompts, lora_request=per_prompt)
+    assert stack_calls and max(stack_calls) <= llama_module.FUSED_MAX_TOKENS
+    assert fused != _generate(llm, prompts)  # the adapters acted
+    _modules_only(llm, monkeypatch)
+    stack_calls.clear()
+    assert _generate(llm, prompts, lora_request=per_prompt) == fused
+    assert not stack_calls
 
 
 def test_stack_equals_modules_in_speculative_steps(make_llm, monkeypatch, stack_calls):
