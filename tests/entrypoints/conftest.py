@@ -7,10 +7,6 @@ teardown it must hold no request and no KV block.
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
-
 import pytest
 
 from tests.entrypoints.utils import (
@@ -18,15 +14,12 @@ from tests.entrypoints.utils import (
     MAX_BODY_BYTES,
     MAX_MODEL_LEN,
     MODEL_NAME,
-    ServerHandle,
-    free_port,
+    serving,
 )
 
 
 @pytest.fixture(scope="package")
 def server(model_path, tokenizer):
-    import uvicorn
-
     from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.engine.llm_engine import LLMEngine
@@ -40,20 +33,6 @@ def server(model_path, tokenizer):
     server_config = ServerConfig(served_model_name=MODEL_NAME, api_key=API_KEY,
                                  max_request_body_bytes=MAX_BODY_BYTES, log_level="warning")
     app = build_app(async_llm, server_config)
-    port = free_port()
-    uvicorn_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                   log_level="warning"))
-    thread = threading.Thread(target=uvicorn_server.run, name="uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uvicorn_server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    handle = ServerHandle(f"http://127.0.0.1:{port}", app, async_llm, stat_logger)
-    try:
+    with serving(app, async_llm, stat_logger) as handle:
         yield handle
         handle.wait_until_idle()
-    finally:
-        uvicorn_server.should_exit = True
-        thread.join(timeout=30)
-        asyncio.run(async_llm.shutdown(drain_timeout=0))

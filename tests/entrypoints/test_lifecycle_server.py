@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.engine.tiny_models import write_tiny_llama
-from tests.entrypoints.utils import API_KEY, ServerHandle, free_port
+from tests.entrypoints.utils import API_KEY, ServerHandle, serving
 
 pytest.importorskip("transformers")
 
@@ -51,28 +51,13 @@ def make_async_llm(model_path: str, **engine_args):
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs):
-    import uvicorn
-
     from pagedserve.entrypoints.openai.api_server import ServerConfig, build_app
 
     async_llm = make_async_llm(tiny_dirs["a"], enable_sleep_mode=True)
     app = build_app(async_llm, ServerConfig(served_model_name="tiny", api_key=API_KEY,
                                             log_level="warning"))
-    port = free_port()
-    uvicorn_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                   log_level="warning"))
-    thread = threading.Thread(target=uvicorn_server.run, name="uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uvicorn_server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield ServerHandle(f"http://127.0.0.1:{port}", app, async_llm, None)
-    finally:
-        uvicorn_server.should_exit = True
-        thread.join(timeout=30)
-        asyncio.run(async_llm.shutdown(drain_timeout=0))
+    with serving(app, async_llm) as handle:
+        yield handle
 
 
 @pytest.fixture

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-import time
 
 import httpx
 import pytest
 
-from tests.entrypoints.utils import API_KEY, ServerHandle, free_port
+from tests.entrypoints.utils import API_KEY, free_port, serving
 from tests.lora.helpers import write_random_adapter
 from tests.processes import ServedProcess
 
@@ -41,8 +39,6 @@ def lora_root(tmp_path_factory, model_path):
 
 @pytest.fixture(scope="module")
 def server(lora_root, model_path, tokenizer):
-    import uvicorn
-
     from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.engine.llm_engine import LLMEngine
@@ -57,23 +53,9 @@ def server(lora_root, model_path, tokenizer):
         lora_dir=str(root), enable_lora_runtime_updates=True))
     # What `serve --lora-modules qv=...` does before it listens.
     asyncio.run(app.state.lora.load("qv", str(root / "qv"), confine=False))
-    port = free_port()
-    uvicorn_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                   log_level="warning"))
-    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uvicorn_server.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.02)
-    handle = ServerHandle(f"http://127.0.0.1:{port}", app, async_llm, None)
-    try:
+    with serving(app, async_llm) as handle:
         yield handle
         handle.wait_until_idle()
-    finally:
-        uvicorn_server.should_exit = True
-        thread.join(timeout=30)
-        asyncio.run(async_llm.shutdown(drain_timeout=0))
 
 
 def _complete(server, model: str, max_tokens: int = 12) -> httpx.Response:

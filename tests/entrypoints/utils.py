@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 API_KEY = "test-key"
@@ -43,3 +47,26 @@ class ServerHandle:
             time.sleep(0.02)
         assert self.async_llm.num_unfinished_requests() == 0, "requests still in the engine"
         self.async_llm.check_idle()
+
+
+@contextlib.contextmanager
+def serving(app, async_llm, stat_logger=None) -> Iterator[ServerHandle]:
+    """`app` under uvicorn in a background thread on a free loopback port; on exit the server
+    stops and `async_llm` shuts down (aborting whatever still runs)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield ServerHandle(f"http://127.0.0.1:{port}", app, async_llm, stat_logger)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        asyncio.run(async_llm.shutdown(drain_timeout=0))
