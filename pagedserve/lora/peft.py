@@ -120,8 +120,11 @@ def inspect_adapter(path: str, model: ModelConfig, max_lora_rank: int,
     rank, scaling = _check_config(config, max_lora_rank)
     shapes, num_bytes = _read_header(weights_path)
     modules = _match_modules(shapes, model, rank)
-    return PeftAdapter(directory, rank, scaling, modules,
-                       _digest(config_path, weights_path), num_bytes)
+    try:
+        digest = _digest(config_path, weights_path)
+    except OSError as error:
+        raise AdapterError(f"cannot read the adapter at {path!r}: {error}") from None
+    return PeftAdapter(directory, rank, scaling, modules, digest, num_bytes)
 
 
 def _read_config(config_path: str) -> dict:

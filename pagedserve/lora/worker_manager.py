@@ -25,7 +25,7 @@ from pagedserve.distributed.parallel_state import get_tp_group
 from pagedserve.layers.linear import MergedLinear
 from pagedserve.lora.layers import MASKED_MAX_TOKENS, LayerLoRASlots, LoRAStep
 from pagedserve.models.decoder_stack import FUSED_MAX_TOKENS
-from pagedserve.lora.peft import TARGET_MODULES, inspect_adapter, module_shape
+from pagedserve.lora.peft import TARGET_MODULES, AdapterError, inspect_adapter, module_shape
 
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -131,7 +131,10 @@ class WorkerLoRAManager:
         from safetensors.torch import load_file
 
         adapter = inspect_adapter(path, self.model_config, self.config.max_lora_rank)
-        tensors = load_file(adapter.weights_path, device="cpu")
+        try:
+            tensors = load_file(adapter.weights_path, device="cpu")
+        except Exception as error:  # a file changed or vanished since the check: its load fails
+            raise AdapterError(f"cannot read {adapter.weights_path}: {error}") from None
         factors = {}
         for module in adapter.modules:
             target = self.targets.get((module.layer, module.module))
