@@ -115,13 +115,16 @@ def test_prefix_cache_is_per_adapter(setup):
     llm.engine.shutdown()
 
 
-def test_tensor_parallel_equals_one_process(setup):
-    """Each rank adds its split of the factors (B rows of its columns, A columns of its rows)."""
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
+                                      {"pipeline_parallel_size": 2}])
+def test_parallel_equals_one_process(setup, parallel):
+    """Each TP rank adds its split of the factors (B rows of its columns, A columns of its
+    rows); each pipeline stage adapts its own layers."""
     model_dir, _, adapters = setup
     prompts = [{"prompt_token_ids": p} for p in SEED_PROMPTS] * 2
     loras = [None, adapters["qv8"], adapters["all16"], adapters["mlp8"]] * 2
     expected = _tokens(_llm(model_dir).generate(prompts, _params(), lora_request=loras))
-    llm = _llm(model_dir, tensor_parallel_size=2, cpu_binding="none")
+    llm = _llm(model_dir, cpu_binding="none", **parallel)
     try:
         assert _tokens(llm.generate(prompts, _params(), lora_request=loras)) == expected
         llm.engine.assert_idle()
@@ -140,5 +143,22 @@ def test_adapters_survive_sleep_level_2(setup):
     llm.engine.sleep(2)
     llm.engine.wake_up()
     assert _tokens(llm.generate(prompts, _params(), lora_request=loras)) == before
+    llm.engine.assert_idle()
+    llm.engine.shutdown()
+
+
+def test_speculative_decoding_with_adapters_is_exact(setup):
+    """n-gram drafts are verified under each request's adapter: greedy output equals the run
+    without speculation, and some drafts are accepted."""
+    model_dir, _, adapters = setup
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, {"prompt_token_ids": [9, 10, 11] * 8},
+               {"prompt_token_ids": list(range(40, 60)) * 2}]
+    loras = [adapters["qv8"], None, adapters["all16"]]
+    # long enough for the tiny random model to fall into loops, which n-gram drafts then hit
+    params = SamplingParams(temperature=0, max_tokens=80, min_tokens=80, detokenize=False)
+    expected = _tokens(_llm(model_dir).generate(prompts, params, lora_request=loras))
+    llm = _llm(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert _tokens(llm.generate(prompts, params, lora_request=loras)) == expected
+    assert llm.engine.scheduler.spec_decoding_stats.num_accepted_tokens > 0
     llm.engine.assert_idle()
     llm.engine.shutdown()
