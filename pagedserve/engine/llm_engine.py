@@ -287,16 +287,15 @@ class LLMEngine:
         load. Returns the failed requests' final outputs."""
         if not self._awaiting:
             return []
-        if self.lora_registry is not None:
-            self.lora_registry.poll()
         if not self.scheduler.has_unfinished_requests():
             # Nothing else to run: wait a moment for a compile or a load rather than spin.
             pending = [a.grammar for a in self._awaiting.values() if a.grammar is not None]
             if self.lora_registry is not None:
                 pending += self.lora_registry.pending_loads()
-                self.lora_registry.poll()
             concurrent.futures.wait(pending, timeout=_GRAMMAR_POLL_SECONDS,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
+        if self.lora_registry is not None:
+            self.lora_registry.poll()
         failed = []
         now = time.monotonic()
         for request_id, awaiting in list(self._awaiting.items()):
@@ -471,13 +470,11 @@ class LLMEngine:
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter; False if it is unknown. Raises ValueError while requests use it."""
-        registry = self._lora_registry()
-        registry.poll()
-        for adapter in registry.adapters:
-            if adapter.lora_int_id == lora_int_id:
-                registry.unregister(adapter.name)
-                return True
-        return False
+        adapter = self._lora_registry().get_by_id(lora_int_id)
+        if adapter is None:
+            return False
+        self.remove_lora_by_name(adapter.name)
+        return True
 
     def list_loras(self) -> set[int]:
         """Ids of the registered adapters."""

@@ -56,7 +56,8 @@ class LoRAStep:
     """One step's adapter mapping, built by the model runner, read by every adapted layer."""
 
     groups: list[tuple[int, torch.Tensor | None]]
-    """(slot, the rows of the step's tokens that use it); rows None: every token."""
+    """Segment form: (slot, the rows of the step's tokens that use it); rows None: every token.
+    Empty when the step runs the masked form (token_slots)."""
     layers: dict[torch.nn.Module, LayerLoRASlots] = field(default_factory=dict)
     """The adapted layers (by module) and their slots."""
     num_slots: int = 0

@@ -29,7 +29,7 @@ MAX_CONFIG_BYTES = 1 << 20
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may target (the linear layers of every decoder layer)."""
 
-_SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+_SAFETENSORS_DTYPES = ("BF16", "F16", "F32")
 
 _TENSOR_NAME = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGET_MODULES) + r")"
@@ -66,8 +66,6 @@ class PeftAdapter:
     modules: tuple[AdapterModule, ...]
     digest: str
     """sha256 of the config and weights files: the adapter's identity in cache keys."""
-    num_bytes: int
-    """Bytes of tensor data in the file."""
 
     @property
     def weights_path(self) -> str:
@@ -118,13 +116,13 @@ def inspect_adapter(path: str, model: ModelConfig, max_lora_rank: int,
         raise AdapterError(f"{path!r} has no {WEIGHTS_FILE}")
     config = _read_config(config_path)
     rank, scaling = _check_config(config, max_lora_rank)
-    shapes, num_bytes = _read_header(weights_path)
+    shapes = _read_header(weights_path)
     modules = _match_modules(shapes, model, rank)
     try:
         digest = _digest(config_path, weights_path)
     except OSError as error:
         raise AdapterError(f"cannot read the adapter at {path!r}: {error}") from None
-    return PeftAdapter(directory, rank, scaling, modules, digest, num_bytes)
+    return PeftAdapter(directory, rank, scaling, modules, digest)
 
 
 def _read_config(config_path: str) -> dict:
@@ -167,9 +165,9 @@ def _check_config(config: dict, max_lora_rank: int) -> tuple[int, float]:
     return rank, scaling
 
 
-def _read_header(weights_path: str) -> tuple[dict[str, tuple[list[int], str]], int]:
-    """name -> (shape, dtype) from the safetensors header, and the data's size; the header and
-    the file size are checked by the safetensors library (a truncated file fails here)."""
+def _read_header(weights_path: str) -> dict[str, tuple[list[int], str]]:
+    """name -> (shape, dtype) from the safetensors header; the header and the file size are
+    checked by the safetensors library (a truncated file fails here)."""
     from safetensors import safe_open  # the header only: no tensor is read
 
     try:
@@ -180,13 +178,11 @@ def _read_header(weights_path: str) -> tuple[dict[str, tuple[list[int], str]], i
                 shapes[name] = (list(tensor.get_shape()), tensor.get_dtype())
     except Exception as e:  # the library raises its own error types for a bad file
         raise AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {e}") from None
-    num_bytes = 0
-    for name, (shape, dtype) in shapes.items():
+    for name, (_, dtype) in shapes.items():
         if dtype not in _SAFETENSORS_DTYPES:
             raise AdapterError(f"tensor {name!r} has dtype {dtype}; expected one of "
-                               f"{sorted(_SAFETENSORS_DTYPES)}")
-        num_bytes += math.prod(shape) * _SAFETENSORS_DTYPES[dtype]
-    return shapes, num_bytes
+                               f"{list(_SAFETENSORS_DTYPES)}")
+    return shapes
 
 
 def _match_modules(shapes: dict[str, tuple[list[int], str]], model: ModelConfig,

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedserve.config import LoRAConfig, ModelConfig
 from pagedserve.lora.peft import AdapterError, PeftAdapter, inspect_adapter
@@ -36,7 +35,6 @@ class Adapter:
     num_users: int = 0
     """Requests (not finished) that run with it: while > 0 it is never unloaded."""
     last_used: int = 0
-    load_seconds: list[float] = field(default_factory=list)
 
     @property
     def lora_int_id(self) -> int:
@@ -102,6 +100,9 @@ class LoRARegistry:
     def get(self, name: str) -> Adapter | None:
         return self._by_name.get(name)
 
+    def get_by_id(self, lora_int_id: int) -> Adapter | None:
+        return self._by_id.get(lora_int_id)
+
     @property
     def adapters(self) -> list[Adapter]:
         return list(self._by_name.values())
@@ -113,14 +114,14 @@ class LoRARegistry:
         adapter.last_used = next(self._clock)
 
     def release(self, lora_int_id: int) -> None:
-        adapter = self._by_id.get(lora_int_id)
+        adapter = self.get_by_id(lora_int_id)
         if adapter is not None and adapter.num_users > 0:
             adapter.num_users -= 1
 
     def start_load(self, adapter: Adapter) -> concurrent.futures.Future | None:
         """Make sure the adapter is loaded or loading: its load's future (None when it waits for
-        room: every loaded adapter is in use). A loaded adapter's future is already done."""
-        self.poll()
+        room: every loaded adapter is in use). A loaded adapter's future is already done. Loads
+        that ended count as loaded once `poll` took them in."""
         if adapter.loaded:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(None)
@@ -136,13 +137,8 @@ class LoRARegistry:
             self._unload(victim.lora_int_id)
             victim.loaded = False
         adapter.load_error = None
-        adapter.load = self._pool.submit(self._timed_load, adapter)
+        adapter.load = self._pool.submit(self._load, adapter.lora_int_id, adapter.peft.path)
         return adapter.load
-
-    def _timed_load(self, adapter: Adapter) -> None:
-        start = time.perf_counter()
-        self._load(adapter.lora_int_id, adapter.peft.path)
-        adapter.load_seconds.append(time.perf_counter() - start)
 
     def poll(self) -> None:
         """Take in the loads that finished (the engine's thread)."""

@@ -125,9 +125,9 @@ class WorkerLoRAManager:
 
     # ---- adapters (any thread) --------------------------------------------------------------
 
-    def add_adapter(self, lora_int_id: int, path: str) -> int:
-        """Load an adapter into host memory; returns its bytes here. Raises AdapterError for a bad
-        adapter (the engine checked it first; this re-check covers a file changed since)."""
+    def add_adapter(self, lora_int_id: int, path: str) -> None:
+        """Load an adapter into host memory. Raises AdapterError for a bad adapter (the engine
+        checked it first; this re-check covers a file changed since)."""
         from safetensors.torch import load_file
 
         adapter = inspect_adapter(path, self.model_config, self.config.max_lora_rank)
@@ -150,12 +150,10 @@ class WorkerLoRAManager:
                 lora_a = lora_a.narrow(1, self.tp_rank * size, size)
             factors[(module.layer, module.module)] = (lora_a.contiguous(),
                                                       lora_b.to(self.dtype).contiguous())
-        num_bytes = sum(a.nbytes + b.nbytes for a, b in factors.values())
         with self._lock:
             if lora_int_id in self._host:
                 raise ValueError(f"adapter id {lora_int_id} is already loaded")
             self._host[lora_int_id] = _HostAdapter(factors, adapter.rank)
-        return num_bytes
 
     def remove_adapter(self, lora_int_id: int) -> None:
         with self._lock:
@@ -163,14 +161,10 @@ class WorkerLoRAManager:
         if lora_int_id in self.slot_ids:
             self.slot_ids[self.slot_ids.index(lora_int_id)] = None
 
-    @property
-    def loaded_ids(self) -> list[int]:
-        with self._lock:
-            return sorted(self._host)
-
     # ---- steps (the step's thread) ----------------------------------------------------------
 
-    def prepare_step(self, lora_ids: list[int | None], query_start_loc: list[int]) -> LoRAStep | None:
+    def prepare_step(self, lora_ids: list[int | None],
+                     query_start_loc: list[int]) -> LoRAStep | None:
         """The LoRAStep of a batch whose request i uses adapter lora_ids[i] (None: the base) and
         owns tokens [query_start_loc[i], query_start_loc[i + 1]); None when no token uses one."""
         used = sorted({i for i in lora_ids if i is not None})
@@ -182,15 +176,11 @@ class WorkerLoRAManager:
             if lora_id is not None:
                 rows.setdefault(slot_of[lora_id], []).extend(range(start, end))
         num_tokens = query_start_loc[-1]
-        groups = [
-            (slot, None if len(token_rows) == num_tokens
-             else torch.tensor(token_rows, dtype=torch.int64, device=self.device))
-            for slot, token_rows in rows.items()
-        ]
-        step = LoRAStep(groups, self.slots, num_slots=self.config.max_loras,
+        one_adapter_for_all = len(rows) == 1 and len(next(iter(rows.values()))) == num_tokens
+        step = LoRAStep([], self.slots, num_slots=self.config.max_loras,
                         stack_slots=self.stack_slots)
         if num_tokens <= MASKED_MAX_TOKENS and (
-                groups[0][1] is not None or num_tokens <= FUSED_MAX_TOKENS):
+                not one_adapter_for_all or num_tokens <= FUSED_MAX_TOKENS):
             # Small and mixed (several adapters, or adapter and base tokens), or small enough
             # for the compiled decoder stack: the masked form.
             token_slots = [-1] * num_tokens
@@ -198,6 +188,12 @@ class WorkerLoRAManager:
                 for row in token_rows:
                     token_slots[row] = slot
             step.token_slots = torch.tensor(token_slots, dtype=torch.int64, device=self.device)
+        else:
+            step.groups = [
+                (slot, None if one_adapter_for_all
+                 else torch.tensor(token_rows, dtype=torch.int64, device=self.device))
+                for slot, token_rows in rows.items()
+            ]
         return step
 
     def _activate(self, lora_ids: list[int]) -> dict[int, int]:

@@ -107,9 +107,9 @@ class Worker:
 
     # ---- LoRA adapters (lora/worker_manager.py) ---------------------------------------------
 
-    def add_lora(self, lora_int_id: int, lora_path: str) -> int:
-        """Load an adapter into host memory (safe beside a running step); returns its bytes."""
-        return self._lora_manager().add_adapter(lora_int_id, lora_path)
+    def add_lora(self, lora_int_id: int, lora_path: str) -> None:
+        """Load an adapter into host memory (safe beside a running step)."""
+        self._lora_manager().add_adapter(lora_int_id, lora_path)
 
     def remove_lora(self, lora_int_id: int) -> None:
         self._lora_manager().remove_adapter(lora_int_id)

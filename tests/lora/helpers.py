@@ -3,13 +3,12 @@ reference they are checked against."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from pagedserve.benchmarks.lora import write_random_adapter
 
-__all__ = ["SEED_PROMPTS", "adapter_files", "make_adapter", "peft_greedy", "tiny_llama_dir",
+__all__ = ["SEED_PROMPTS", "make_adapter", "peft_greedy", "tiny_llama_dir",
            "write_random_adapter"]
 
 SEED_PROMPTS = [[5, 17, 300, 42], list(range(100, 150)), [7] * 3, list(range(20, 60, 2))]
@@ -72,8 +71,4 @@ def peft_greedy(base_model, adapter_path: str | None, prompts: list[list[int]],
                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
             results.append(out[0, len(prompt):].tolist())
     return results
-
-
-def adapter_files(path) -> list[str]:
-    return sorted(os.listdir(path))
 

@@ -195,8 +195,8 @@ class _CompletionFormat:
 
     def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel:
         return p.CompletionStreamResponse(id=self.response_id, created=self.created,
-                                          model=self.serving.response_model(self.request), choices=choices,
-                                          usage=usage)
+                                          model=self.serving.response_model(self.request),
+                                          choices=choices, usage=usage)
 
     def final_choice(self, index: int, prompt_index: int, choice: _Choice,
                      prompt_output: RequestOutput) -> p.CompletionChoice:
@@ -215,8 +215,8 @@ class _CompletionFormat:
 
     def response(self, choices: list, usage: p.UsageInfo) -> BaseModel:
         return p.CompletionResponse(id=self.response_id, created=self.created,
-                                    model=self.serving.response_model(self.request), choices=choices,
-                                    usage=usage)
+                                    model=self.serving.response_model(self.request),
+                                    choices=choices, usage=usage)
 
 
 class _ChatFormat:
@@ -294,8 +294,8 @@ class _ChatFormat:
 
     def response(self, choices: list, usage: p.UsageInfo) -> BaseModel:
         return p.ChatCompletionResponse(id=self.response_id, created=self.created,
-                                        model=self.serving.response_model(self.request), choices=choices,
-                                        usage=usage)
+                                        model=self.serving.response_model(self.request),
+                                        choices=choices, usage=usage)
 
 
 # ---- the service ------------------------------------------------------------------------------
@@ -324,9 +324,8 @@ class OpenAIServing:
 
     def model_card(self, model_id: str | None = None) -> p.ModelCard:
         """The card of the base model, or of the adapter named `model_id`."""
-        lora = self.check_model(model_id)
-        if lora is not None:
-            return next(c for c in self.lora.model_cards(self.max_model_len) if c.id == model_id)
+        if self.check_model(model_id) is not None:
+            return self.lora.model_card(model_id, self.max_model_len)
         return p.ModelCard(id=self.served_model_name, max_model_len=self.max_model_len,
                            root=self.served_model_name)
 

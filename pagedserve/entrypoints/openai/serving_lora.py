@@ -72,10 +72,13 @@ class LoRAServing:
     def lookup(self, model: str) -> LoRARequest | None:
         return self.adapters.get(model)
 
+    def model_card(self, name: str, max_model_len: int) -> p.ModelCard:
+        lora = self.adapters[name]
+        return p.ModelCard(id=name, max_model_len=max_model_len, root=lora.lora_path,
+                           parent=lora.base_model_name or self.base_model_name)
+
     def model_cards(self, max_model_len: int) -> list[p.ModelCard]:
-        return [p.ModelCard(id=name, max_model_len=max_model_len, root=lora.lora_path,
-                            parent=lora.base_model_name or self.base_model_name)
-                for name, lora in self.adapters.items()]
+        return [self.model_card(name, max_model_len) for name in self.adapters]
 
     async def load(self, name: str, path: str, base_model_name: str | None = None,
                    confine: bool = True) -> LoRARequest:
