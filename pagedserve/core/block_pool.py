@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from pagedserve.core.block_hash import BlockHash
+from pagedserve.observability.events import BlocksEvicted, BlocksStored, EventBus
 
 
 class KVCacheBlock:
@@ -32,7 +33,9 @@ class BlockPool:
     NULL_BLOCK_ID = 0
     """Block 0 is never handed out: padded slots of a batch write into it."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 events: EventBus | None = None) -> None:
+        """events: where BlocksStored and BlocksEvicted go (None: nowhere)."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -42,6 +45,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:]
         )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self.events = events or EventBus()
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,6 +100,7 @@ class BlockPool:
         num_full_blocks: int,
     ) -> None:
         """Index blocks[num_cached_blocks:num_full_blocks], which have just become full."""
+        stored = [] if self.events.enabled else None
         for block, block_hash in zip(
             blocks[num_cached_blocks:num_full_blocks],
             block_hashes[num_cached_blocks:num_full_blocks],
@@ -106,6 +111,10 @@ class BlockPool:
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block
+                if stored is not None:
+                    stored.append(block_hash)
+        if stored:
+            self.events.emit(BlocksStored(tuple(stored)))
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop blocks from the prefix-cache index (their KV will not be written after all)."""
@@ -116,6 +125,8 @@ class BlockPool:
         """Forget every cached block; only possible while no request holds a block."""
         if self.num_free_blocks != self.num_usable_blocks:
             return False
+        if self._cached and self.events.enabled:
+            self.events.emit(BlocksEvicted(tuple(self._cached)))
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
@@ -125,6 +136,8 @@ class BlockPool:
         if block.block_hash is not None:
             assert self._cached.get(block.block_hash) is block
             del self._cached[block.block_hash]
+            if self.events.enabled:
+                self.events.emit(BlocksEvicted((block.block_hash,)))
             block.block_hash = None
 
     def check_integrity(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pagedserve.core.block_hash import extend_block_hashes
 from pagedserve.core.block_pool import BlockPool, KVCacheBlock
+from pagedserve.observability.events import EventBus
 from pagedserve.request import Request
 
 
@@ -27,10 +28,11 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 events: EventBus | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         """How many leading blocks of each request are in the prefix-cache index."""

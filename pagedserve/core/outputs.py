@@ -73,6 +73,12 @@ class SchedulerOutput:
     output manager fills it after scheduling (None: no constrained request samples)."""
     kv_connector_metadata: KVConnectorMetadata | None = None
     """This step's KV tier loads and saves (None: none, or no connector)."""
+    step_index: int = -1
+    """The scheduler's step number (-1: a step outside the schedule, e.g. an empty one)."""
+    num_prefill_requests: int = 0
+    num_prefill_tokens: int = 0
+    """Of the scheduled requests and tokens, those that compute known tokens (prompt chunks,
+    recomputation after a preemption); the rest decode."""
 
     @classmethod
     def empty(cls, finished_req_ids: set[str]) -> SchedulerOutput:
@@ -111,6 +117,21 @@ class ModelRunnerOutput:
     """req_id -> draft tokens proposed for the next step (the scheduler caps them)."""
     kv_connector_output: KVConnectorOutput | None = None
     """KV tier loads finished since the last step, and transfer counters."""
+    timings: RunnerTimings | None = None
+    """Where the runner's time went (the last pipeline stage's; None: not measured)."""
+
+
+@dataclass
+class RunnerTimings:
+    """Seconds of one step in the model runner, by wall clock. On the CPU every op finishes
+    before the next starts, so the split is exact; on CUDA kernels run ahead of the host and
+    the forward's time partly shows under sampling (which waits for the results)."""
+
+    prepare_s: float = 0.0
+    """Inputs: request states, ids and positions, attention metadata."""
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    """The output head, sampling, draft verification and drafting."""
 
 
 @dataclass

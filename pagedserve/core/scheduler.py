@@ -35,20 +35,35 @@ from pagedserve.core.outputs import (
 from pagedserve.request import Request, RequestStatus
 from pagedserve.core.stats import SchedulerStats, SpecDecodingStats
 from pagedserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
+from pagedserve.observability.events import (
+    DraftsVerified,
+    EventBus,
+    PrefixHit,
+    RequestFinished,
+    RequestPreempted,
+    RequestResumed,
+    RequestScheduled,
+    TokensGenerated,
+)
 
 
 class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
         connector: KVConnectorScheduler | None = None, max_loras: int | None = None,
+        events: EventBus | None = None,
     ) -> None:
         """connector: the scheduler half of the KV tiers (None: KV lives in the pool only).
-        max_loras: distinct LoRA adapters one step may use (None: no adapters)."""
+        max_loras: distinct LoRA adapters one step may use (None: no adapters).
+        events: where request and block events go (observability/events.py)."""
         self.config = scheduler_config
+        self.events = events or EventBus()
+        self.step_index = -1
+        """The last schedule()'s step number (counted from 0)."""
         self.max_loras = max_loras
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, self.events
         )
         self.requests: dict[str, Request] = {}
         # Heap of (priority, arrival_time, sequence, request): lower priority value runs first.
@@ -111,6 +126,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.step_index += 1
         token_budget = self.config.max_num_batched_tokens
         # With pipeline stages, a batch takes its share of the unfinished requests, so that the
         # next batch (scheduled while this one is in flight) has requests to run too.
@@ -194,6 +210,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             heapq.heappop(self._waiting)
+            if self.events.enabled:
+                self._emit_admitted(request, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -259,12 +277,24 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             scheduled_spec_decode_tokens=spec_decode_tokens,
+            step_index=self.step_index,
         )
         self._finished_req_ids = set()
         # Progress is advanced now, at scheduling: the next schedule() may run before this
         # step's results are back (async scheduling), and must not hand out the same tokens.
         for req_id, num_tokens in num_scheduled.items():
             request = self.requests[req_id]
+            # Prefill computes known tokens (a prompt chunk, or recomputation after a
+            # preemption); decode computes the last sampled token (and drafts).
+            is_prefill = request.num_computed_tokens < request.num_tokens - 1
+            if is_prefill:
+                output.num_prefill_requests += 1
+                output.num_prefill_tokens += num_tokens
+            if self.events.enabled:
+                self.events.emit(RequestScheduled(
+                    req_id, self.step_index, num_tokens, request.num_computed_tokens,
+                    "prefill" if is_prefill else "decode",
+                    len(spec_decode_tokens.get(req_id, ()))))
             num_prompt_left = request.num_prompt_tokens - request.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(num_tokens, num_prompt_left))
             request.num_computed_tokens += num_tokens
@@ -273,6 +303,15 @@ class Scheduler:
             output.kv_connector_metadata = self.connector.build_connector_meta(
                 self.requests, self.kv_cache_manager.get_block_ids, num_scheduled)
         return output
+
+    def _emit_admitted(self, request: Request, num_hit_tokens: int) -> None:
+        """A waiting request is about to run: its prefix hit, and its resumption."""
+        if request.status == RequestStatus.PREEMPTED:
+            self.events.emit(RequestResumed(request.request_id, self.step_index,
+                                            request.num_tokens - num_hit_tokens))
+        if num_hit_tokens:
+            self.events.emit(PrefixHit(request.request_id, self.step_index, num_hit_tokens,
+                                       "device"))
 
     def _start_load(self, request: Request, computed_blocks, num_hit_tokens: int) -> bool:
         """If a KV tier has more of the request's prefix and the connector will load it, reserve
@@ -316,6 +355,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_loaded
             request.num_tier_cached_tokens = num_loaded
+            if num_loaded and self.events.enabled:
+                self.events.emit(PrefixHit(req_id, self.step_index, num_loaded, "kv_tier"))
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
@@ -347,6 +388,9 @@ class Scheduler:
         return min(num_new_tokens, token_budget)
 
     def _preempt(self, request: Request) -> None:
+        if self.events.enabled:
+            self.events.emit(RequestPreempted(request.request_id, self.step_index,
+                                              time.monotonic(), request.num_computed_tokens))
         self._unknown_to_runner.discard(request.request_id)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -383,6 +427,9 @@ class Scheduler:
                 num_accepted = len(new_token_ids) - 1
                 request.num_computed_tokens -= len(scheduled_spec) - num_accepted
                 self.spec_decoding_stats.observe(len(scheduled_spec), num_accepted)
+                if self.events.enabled:
+                    self.events.emit(DraftsVerified(req_id, scheduler_output.step_index,
+                                                    len(scheduled_spec), num_accepted))
             stopped = False
             for num_accepted, token_id in enumerate(new_token_ids, start=1):
                 request.append_output_token_ids([token_id])
@@ -402,9 +449,13 @@ class Scheduler:
                 )
             if new_token_ids:
                 self.num_generation_tokens += len(new_token_ids)
-                if request.times.first_token is None:
+                first = request.times.first_token is None
+                if first:
                     request.times.first_token = now
                 request.times.last_token = now
+                if self.events.enabled:
+                    self.events.emit(TokensGenerated(req_id, scheduler_output.step_index, now,
+                                                     len(new_token_ids), first))
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not new_token_ids and prompt_logprobs is None and not stopped:
                 continue
@@ -457,6 +508,7 @@ class Scheduler:
                 request.status = status
                 request.stop_reason = stop_reason
                 request.times.finished = time.monotonic()
+                self._emit_finished(request)
                 self._finished_req_ids.add(req_id)
                 del self.requests[req_id]
                 if self.connector is not None:
@@ -488,8 +540,15 @@ class Scheduler:
         if self.connector is not None:
             self.connector.request_finished(request)
         request.times.finished = time.monotonic()
+        self._emit_finished(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+    def _emit_finished(self, request: Request) -> None:
+        if self.events.enabled:
+            self.events.emit(RequestFinished(request.request_id, request.times.finished,
+                                             request.status.finish_reason,
+                                             request.num_output_tokens))
 
     # ---- introspection ----------------------------------------------------------------------
 

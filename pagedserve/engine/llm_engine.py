@@ -32,6 +32,13 @@ from pagedserve.lora.peft import AdapterError, PeftAdapter
 from pagedserve.lora.registry import Adapter, LoRARegistry
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.loader import load_model_config, resolve_model_path
+from pagedserve.observability.events import (
+    AdmissionWaited,
+    EventBus,
+    RequestFinished,
+    RequestQueued,
+    StepFinished,
+)
 from pagedserve.outputs import OutputKind, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -66,6 +73,8 @@ class _Awaiting:
     deadline: float
     """When the grammar's compile budget runs out (an adapter load has no deadline)."""
     adapter: Adapter | None = None
+    since: float = 0.0
+    """When it started waiting."""
 
 
 class LLMEngine:
@@ -95,17 +104,22 @@ class LLMEngine:
         self.executor = Executor.create(config, model=model)
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
+        self.events = EventBus()
+        """Request, step and block events (observability/events.py); subscribe to observe."""
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks=num_blocks,
                                    connector=self._create_kv_connector(tier_options, num_blocks),
-                                   max_loras=config.lora.max_loras if config.lora else None)
+                                   max_loras=config.lora.max_loras if config.lora else None,
+                                   events=self.events)
         self.lora_registry = (
             LoRARegistry(config.lora, config.model, self.executor.add_lora,
                          self.executor.remove_lora)
             if config.lora is not None else None)
         self._request_adapters: dict[str, int] = {}
         """Request id -> the LoRA adapter it holds until it finishes."""
-        self._batch_queue: collections.deque[tuple[SchedulerOutput, Future]] = collections.deque()
-        """Steps in flight, oldest first (more than one only with pipeline stages)."""
+        self._batch_queue: collections.deque[tuple[SchedulerOutput, Future, float, float]] = (
+            collections.deque())
+        """Steps in flight, oldest first (more than one only with pipeline stages), each with
+        when its scheduling began and how long it took."""
         if self.executor.max_concurrent_batches > 1:
             self.step = self._step_with_batch_queue
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -255,17 +269,24 @@ class LLMEngine:
         self.output_processor.add_request(
             request_id, text, prompt_token_ids, seq_params, output_kind, arrival_time
         )
+        if self.events.enabled:
+            for request in requests:
+                self.events.emit(RequestQueued(
+                    request.request_id, request_id, arrival_time, request.num_prompt_tokens,
+                    request.max_tokens, lora_request.lora_name if adapter else None))
         if adapter is not None:
             self.lora_registry.acquire(adapter)
             self._request_adapters[request_id] = adapter.lora_int_id
         if (grammar is not None and not grammar.done()) or (
                 adapter is not None and not adapter.loaded):
             deadline = time.monotonic() + self.structured_output_manager.config.compile_timeout_s
-            self._awaiting[request_id] = _Awaiting(requests, grammar, deadline, adapter)
+            self._awaiting[request_id] = _Awaiting(requests, grammar, deadline, adapter,
+                                                   time.monotonic())
             if adapter is not None:
                 self.lora_registry.start_load(adapter)
         else:
             self._schedule_requests(requests, grammar)
+        self.events.publish()
         return request_id
 
     def _adapter_for(self, lora_request: LoRARequest | None) -> Adapter | None:
@@ -302,6 +323,7 @@ class LLMEngine:
             error = self._awaiting_error(awaiting, now)
             if error is not None:
                 del self._awaiting[request_id]
+                self._emit_unscheduled_finished(awaiting, "error")
                 output = self.output_processor.fail_request(request_id, error)
                 if output is not None:
                     failed.append(output)
@@ -312,8 +334,21 @@ class LLMEngine:
                 self.lora_registry.start_load(adapter)  # waits for room, or loads already
             elif grammar_ready:
                 del self._awaiting[request_id]
+                if self.events.enabled:
+                    for request in awaiting.requests:
+                        self.events.emit(AdmissionWaited(
+                            request.request_id, awaiting.since, now,
+                            awaiting.grammar is not None, awaiting.adapter is not None))
                 self._schedule_requests(awaiting.requests, awaiting.grammar)
         return self._release_adapters(failed)
+
+    def _emit_unscheduled_finished(self, awaiting: _Awaiting, reason: str) -> None:
+        """Requests that end while held back never reach the scheduler, which emits the
+        others' RequestFinished."""
+        if self.events.enabled:
+            now = time.monotonic()
+            for request in awaiting.requests:
+                self.events.emit(RequestFinished(request.request_id, now, reason, 0))
 
     def _awaiting_error(self, awaiting: _Awaiting, now: float) -> str | None:
         """Why a held-back request fails, or None while it may still run."""
@@ -339,13 +374,16 @@ class LLMEngine:
             request_ids = [request_ids]
         final_outputs = []
         for request_id in request_ids:
-            self._awaiting.pop(request_id, None)
+            awaiting = self._awaiting.pop(request_id, None)
+            if awaiting is not None:
+                self._emit_unscheduled_finished(awaiting, "abort")
             seq_ids = self.output_processor.sequence_ids(request_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             output = self.output_processor.abort_request(request_id)
             if output is not None:
                 final_outputs.append(output)
         self._release_finished_if_idle()
+        self.events.publish()
         return self._release_adapters(final_outputs)
 
     @property
@@ -357,9 +395,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         failed_outputs = self._admit_ready()
+        start = time.monotonic()
         scheduler_output = self._schedule()
+        scheduled = time.monotonic()
         runner_output = self.executor.execute_model(scheduler_output)
-        return failed_outputs + self._update_from_output(scheduler_output, runner_output)
+        executed = time.monotonic()
+        outputs = failed_outputs + self._update_from_output(scheduler_output, runner_output)
+        if self.events.enabled and not scheduler_output.is_empty:
+            self._emit_step(scheduler_output, runner_output, start, scheduled - start, executed)
+        self.events.publish()
+        return outputs
 
     def _step_with_batch_queue(self) -> list[RequestOutput]:
         """step() with pipeline stages: keep up to one batch per stage in flight, so stage 0
@@ -369,14 +414,45 @@ class LLMEngine:
         failed_outputs = self._admit_ready()
         queue = self._batch_queue
         if len(queue) < self.executor.max_concurrent_batches:
+            start = time.monotonic()
             scheduler_output = self._schedule()
+            schedule_s = time.monotonic() - start
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids or not queue:
-                queue.append((scheduler_output, self.executor.submit(scheduler_output)))
+                queue.append((scheduler_output, self.executor.submit(scheduler_output),
+                              start, schedule_s))
                 self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
             if not scheduler_output.is_empty and len(queue) < self.executor.max_concurrent_batches:
+                self.events.publish()
                 return failed_outputs  # fill the pipeline before waiting on its oldest batch
-        scheduler_output, future = queue.popleft()
-        return failed_outputs + self._update_from_output(scheduler_output, future.result())
+        scheduler_output, future, start, schedule_s = queue.popleft()
+        runner_output = future.result()
+        executed = time.monotonic()
+        outputs = failed_outputs + self._update_from_output(scheduler_output, runner_output)
+        if self.events.enabled and not scheduler_output.is_empty:
+            self._emit_step(scheduler_output, runner_output, start, schedule_s, executed)
+        self.events.publish()
+        return outputs
+
+    def _emit_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                   start: float, schedule_s: float, executed: float) -> None:
+        timings = runner_output.timings
+        num_requests = len(scheduler_output.num_scheduled_tokens)
+        end = time.monotonic()
+        self.events.emit(StepFinished(
+            step=scheduler_output.step_index, start=start, end=end,
+            num_requests=num_requests,
+            num_prefill_requests=scheduler_output.num_prefill_requests,
+            num_decode_requests=num_requests - scheduler_output.num_prefill_requests,
+            num_prefill_tokens=scheduler_output.num_prefill_tokens,
+            num_decode_tokens=(scheduler_output.total_num_scheduled_tokens
+                               - scheduler_output.num_prefill_tokens),
+            num_preempted=sum(1 for r in scheduler_output.finished_req_ids
+                              if r in self.scheduler.requests),
+            schedule_s=schedule_s,
+            prepare_s=timings.prepare_s if timings else 0.0,
+            forward_s=timings.forward_s if timings else 0.0,
+            sample_s=timings.sample_s if timings else 0.0,
+            output_s=end - executed))
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()

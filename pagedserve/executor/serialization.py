@@ -23,6 +23,7 @@ from pagedserve.core.outputs import (
     GrammarOutput,
     ModelRunnerOutput,
     NewRequestData,
+    RunnerTimings,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -260,5 +261,6 @@ def decode(data: bytes) -> Any:
 
 for _cls in (SchedulerOutput, NewRequestData, CachedRequestData, GrammarOutput, ModelRunnerOutput,
              TokenLogprobs, EngineCoreOutput, SamplingParams, StructuredOutputsParams,
-             KVConnectorMetadata, LoadJob, BlockTransfer, KVConnectorOutput, TierCounters):
+             KVConnectorMetadata, LoadJob, BlockTransfer, KVConnectorOutput, TierCounters,
+             RunnerTimings):
     register(_cls)

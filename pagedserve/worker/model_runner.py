@@ -21,6 +21,7 @@ from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, Speculativ
 from pagedserve.core.outputs import (
     GrammarOutput,
     ModelRunnerOutput,
+    RunnerTimings,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -200,6 +201,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's sampled tokens; None on a pipeline stage before the last, which hands its
         hidden states to the next stage instead."""
+        step_start = time.perf_counter()
         self._update_states(scheduler_output)
         grammar_output = scheduler_output.grammar
         connector_meta = scheduler_output.kv_connector_metadata
@@ -239,8 +241,10 @@ class ModelRunner:
         if self.lora_manager is not None:
             lora_step = self.lora_manager.prepare_step([s.lora_int_id for s in states],
                                                        query_start_loc)
+        prepared = time.perf_counter()
         with forward_context(meta, lora_step):
             hidden_states = self.model(input_ids_t, positions_t, intermediate_tensors)
+        forwarded = time.perf_counter()
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.wait_for_save(connector_meta)
         if not self.pp_group.is_last_rank:
@@ -292,6 +296,8 @@ class ModelRunner:
                 {req_id: self.requests[req_id].token_ids for req_id in output.sampled_token_ids}
             )
         output.kv_connector_output = self._connector_output(wait=False)
+        output.timings = RunnerTimings(prepared - step_start, forwarded - prepared,
+                                       time.perf_counter() - forwarded)
         return output
 
     def _connector_output(self, wait: bool):
