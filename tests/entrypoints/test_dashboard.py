@@ -14,6 +14,7 @@ installs the last two).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -162,7 +163,9 @@ def test_dashboard_live_under_load(live_server, browser):
     with httpx.Client(base_url=base_url, timeout=30) as client:
         page = client.get("/dashboard")  # no key: the page itself carries no data
         assert page.status_code == 200 and "pagedserve" in page.text
-        assert "http://" not in page.text and "https://" not in page.text  # nothing external
+        # nothing external: no linked script, style, image or font
+        assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//|url\(|@import|<link",
+                             page.text)
         assert client.get("/debug/stats").status_code == 401
 
     load = StreamingLoad(base_url, NUM_STREAMS).start()
@@ -230,7 +233,7 @@ def test_dashboard_live_under_load(live_server, browser):
         assert browser.find_element("id", "detail-id").text == request_id
         explanation = browser.find_element("id", "detail-explanation").text
         assert explanation.startswith("TTFT") or "waiting" in explanation, explanation
-        assert "Events" in detail.text and "first_token" in detail.text
+        assert "first_token" in detail.text  # the events table
         browser.save_screenshot(str(artifact_path("dashboard.png")))
     finally:
         load.stop()

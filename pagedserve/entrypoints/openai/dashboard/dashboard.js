@@ -52,7 +52,7 @@ function fmtNum(v, digits = 1) {
 
 function fmtSeconds(s) {
   if (s === null || s === undefined) return "–";
-  if (s < 1) return (s * 1000).toFixed(s < 0.01 ? 2 : 1) + " ms";
+  if (s < 1) return (s * 1000).toFixed(s < 0.01 ? 2 : s < 0.1 ? 1 : 0) + " ms";
   if (s < 60) return s.toFixed(2) + " s";
   return (s / 60).toFixed(1) + " min";
 }
@@ -194,6 +194,12 @@ function niceMax(v) {
   return 10 * p;
 }
 
+function chartSpan(points, windowS, now) {
+  // A fresh server has little history: zoom to it (at least 30 s) rather than squeeze it right.
+  if (!points.length) return windowS;
+  return Math.min(windowS, Math.max(30, now - points[0].t + 2));
+}
+
 function drawChart(name, points, windowS, now) {
   const chart = CHARTS[name];
   const svg = document.querySelector(`svg[data-chart="${name}"]`);
@@ -223,8 +229,9 @@ function drawChart(name, points, windowS, now) {
     svgEl("text", { x: pad.left - 6, y: y(v) + 3, "text-anchor": "end" }, svg).textContent =
       formatAxis(chart, v);
   }
-  for (let ago = 0; ago <= windowS; ago += 60) {
-    const label = ago === 0 ? "now" : `-${ago / 60}m`;
+  const tick = [5, 10, 15, 30, 60].find((s) => windowS / s <= 6) || 60;
+  for (let ago = 0; ago <= windowS; ago += tick) {
+    const label = ago === 0 ? "now" : ago % 60 ? `-${ago}s` : `-${ago / 60}m`;
     svgEl("text", { x: x(now - ago), y: height - 4,
       "text-anchor": ago === 0 ? "end" : "middle" }, svg).textContent = label;
   }
@@ -277,7 +284,8 @@ async function pollStats() {
     `${Math.round(data.window_s / 60)} min; latency percentiles over the last ` +
     `${data.latency_window_s} s; gauges are each second's peak.`;
   $("stats-note").className = "note";
-  for (const name of Object.keys(CHARTS)) drawChart(name, data.points, data.window_s, data.now);
+  const span = chartSpan(data.points, data.window_s, data.now);
+  for (const name of Object.keys(CHARTS)) drawChart(name, data.points, span, data.now);
   const last = data.points.length ? data.points[data.points.length - 1] : {};
   const latest = data.latest || {};
   $("tile-gen").textContent = fmtNum(last.generation_tokens_per_s);
@@ -387,7 +395,7 @@ function drawGantt() {
   const now = serverNow();
   const rows = state.requests.slice(0, GANTT_MAX_ROWS).reverse();  // oldest on top
   const width = svg.clientWidth || 1000;
-  const labelW = 230;
+  const labelW = 250;
   const rowH = 20;
   const axisH = 20;
   const height = axisH + rows.length * rowH + 4;
@@ -420,11 +428,11 @@ function drawGantt() {
       "data-sequence-id": timeline.sequence_id, "data-state": timeline.state }, svg);
     if (timeline.sequence_id === state.selected) g.classList.add("selected");
     svgEl("rect", { class: "row-bg", x: 0, y, width, height: rowH, fill: i % 2 ? "#fafafa" : "#fff" }, g);
-    const shortId = timeline.request_id.length > 22
-      ? timeline.request_id.slice(0, 10) + "…" + timeline.request_id.slice(-8) : timeline.request_id;
+    const shortId = timeline.sequence_id.length > 18
+      ? timeline.sequence_id.slice(0, 9) + "…" + timeline.sequence_id.slice(-6) : timeline.sequence_id;
     svgEl("text", { class: "label mono", x: 6, y: y + 14 }, g).textContent = shortId;
     svgEl("text", { class: "sub", x: labelW - 8, y: y + 14, "text-anchor": "end" }, g).textContent =
-      `${timeline.num_prompt_tokens}→${timeline.num_output_tokens} · ${timeline.state}`;
+      `${timeline.num_prompt_tokens}→${timeline.num_output_tokens} tok · ${timeline.state}`;
     for (const segment of timeline.segments) {
       if (segment.start === null || segment.start === undefined) continue;
       const start = timeline.arrival_time + segment.start;
