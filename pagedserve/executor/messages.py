@@ -53,6 +53,11 @@ class CheckIdle:
 
 
 @dataclass
+class MemoryReport:
+    pass
+
+
+@dataclass
 class AddLoRA:
     """Load an adapter into host memory. Every rank replies: None, or the error's message (a bad
     adapter fails its own load, not the worker)."""
@@ -102,6 +107,7 @@ class WorkerFailure:
 
 
 for _cls in (Hello, InitWorker, DetermineNumKVBlocks, InitializeKVCache, ExecuteModel, CheckIdle,
+             MemoryReport,
              AddLoRA, RemoveLoRA, Shutdown, Sleep, WakeUp, UpdateWeights, WorkerReply,
              WorkerFailure, config_module.EngineConfig,
              config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
