@@ -51,7 +51,7 @@ def browser(tmp_path):
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1500,2100", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+                "--window-size=1500,1300", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     try:

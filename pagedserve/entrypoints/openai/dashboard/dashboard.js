@@ -217,7 +217,8 @@ function drawChart(name, points, windowS, now) {
   }
   svg.dataset.points = String(points.length);
   svg.dataset.max = String(max);
-  const yMax = chart.fixedMax || niceMax(max * 1.1);
+  const yMax = chart.fixedMax
+    || (chart.integer ? Math.max(4, Math.ceil((max * 1.1) / 4) * 4) : niceMax(max * 1.1));
   const t0 = now - windowS;
   const x = (t) => pad.left + ((t - t0) / windowS) * plotW;
   const y = (v) => pad.top + plotH - (v / yMax) * plotH;
@@ -247,11 +248,15 @@ function drawChart(name, points, windowS, now) {
   for (const [label, key, color] of chart.series) {
     let d = "";
     let pen = false;
-    for (const p of points) {
-      if (p[key] === null || p[key] === undefined || p.t < t0) { pen = false; continue; }
+    const present = (p) => p && p[key] !== null && p[key] !== undefined && p.t >= t0;
+    points.forEach((p, i) => {
+      if (!present(p)) { pen = false; return; }
       d += (pen ? "L" : "M") + x(p.t).toFixed(1) + " " + y(p[key]).toFixed(1);
+      if (!pen && !present(points[i + 1])) {  // an isolated point: a dot, not an empty path
+        svgEl("circle", { cx: x(p.t), cy: y(p[key]), r: 2.2, fill: color }, svg);
+      }
       pen = true;
-    }
+    });
     if (d) svgEl("path", { d, fill: "none", stroke: color, "stroke-width": 1.8,
       "stroke-linejoin": "round", "data-series": label }, svg);
   }
