@@ -48,7 +48,7 @@ from pagedserve.entrypoints.openai.serving_lora import (
     runtime_updates_from_env,
 )
 from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from pagedserve.metrics import PrometheusStatLogger
+from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger
 from pagedserve.models.loader import DEFAULT_MODEL
 from pagedserve.router.config import POLICY_NAMES
 
@@ -544,12 +544,13 @@ def run_server(args: argparse.Namespace) -> int:
     if args.headless:
         return run_headless(engine_args.create_parallel_config())
     config = ServerConfig.from_cli_args(args)
+    log_stats = [] if args.disable_log_stats else [LoggingStatLogger(args.log_stats_interval)]
     engine = LLMEngine.from_engine_args(engine_args)
     speculative = engine.config.speculative
     stat_logger = PrometheusStatLogger(
         config.served_model_name, max_model_len=engine.config.scheduler.max_model_len,
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else None)
-    async_llm = AsyncLLM(engine, [stat_logger])
+    async_llm = AsyncLLM(engine, [stat_logger, *log_stats])
     app = build_app(async_llm, config, stat_logger)
     clean = asyncio.run(serve_app(app, async_llm, config))
     return 0 if clean else 1
@@ -594,6 +595,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); needs --lora-dir")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic 'Engine 000: Avg prompt throughput ...' log line")
+    group.add_argument("--log-stats-interval", type=float, default=10.0,
+                       help="seconds between those lines (10)")
 
 
 def main(argv: list[str] | None = None) -> int:
