@@ -48,6 +48,12 @@ class UniProcExecutor(Executor):
     def update_weights(self, model_path: str) -> None:
         self.worker.update_weights(model_path)
 
+    def start_profile(self) -> None:
+        self.worker.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return [self.worker.stop_profile()]
+
     def check_idle(self) -> list[str]:
         return self.worker.check_idle()
 

@@ -40,6 +40,10 @@ from pagedserve.entrypoints.openai.errors import (
     from_validation_error,
 )
 from pagedserve.entrypoints.openai.generation import EventStream
+from pagedserve.entrypoints.openai.observability_routes import (
+    add_profiler_routes,
+    attach_request_tracer,
+)
 from pagedserve.entrypoints.openai.serving import OpenAIServing
 from pagedserve.entrypoints.openai.serving_lora import (
     LoRAModule,
@@ -85,6 +89,8 @@ class ServerConfig:
     """The directory runtime adapter loads must come from."""
     enable_lora_runtime_updates: bool = False
     """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    otlp_traces_endpoint: str | None = None
+    """Export an OpenTelemetry span per finished request here (OTLP/HTTP protobuf)."""
 
     def __post_init__(self) -> None:
         if self.max_num_waiting < 0:
@@ -98,6 +104,10 @@ class ServerConfig:
         if self.enable_lora_runtime_updates and self.lora_dir is None:
             raise ValueError("--enable-lora-runtime-updates needs --lora-dir: the one directory "
                              "adapters may be loaded from at run time")
+        if self.otlp_traces_endpoint is not None:
+            from pagedserve.observability.tracing import check_endpoint
+
+            check_endpoint(self.otlp_traces_endpoint)  # before the model loads
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
@@ -114,6 +124,7 @@ class ServerConfig:
             lora_dir=args.lora_dir,
             enable_lora_runtime_updates=(args.enable_lora_runtime_updates
                                          or runtime_updates_from_env()),
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
 
 
@@ -358,6 +369,10 @@ def build_app(
         return await respond(raw_request, serving.detokenize(request))
 
     _add_lifecycle_routes(app, async_llm, read_request)
+    add_profiler_routes(app, async_llm)
+    app.state.tracer = (attach_request_tracer(async_llm, config.otlp_traces_endpoint,
+                                              config.served_model_name)
+                        if config.otlp_traces_endpoint else None)
     return app
 
 
@@ -523,6 +538,8 @@ async def serve_app(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> 
             # Forced exit (or a failed start): abort everything and stop the engine thread.
             state.draining = True
             await async_llm.shutdown(drain_timeout=0)
+        if app.state.tracer is not None:  # every request has finished: export their spans
+            await asyncio.to_thread(app.state.tracer.shutdown)
     return not server.force_exit and not async_llm.errored
 
 
@@ -592,6 +609,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-lora-runtime-updates", action="store_true",
                        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); needs --lora-dir")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export an OpenTelemetry span per finished request over OTLP/HTTP, "
+                            "e.g. http://localhost:4318/v1/traces (needs pagedserve[otlp])")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
 
