@@ -60,6 +60,11 @@ class BlockPool:
         """Fraction of usable blocks held by requests (free cached blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold cached content (a later prefix can hit them)."""
+        return sum(1 for block in self._free.values() if block.block_hash is not None)
+
     def free_queue(self) -> list[KVCacheBlock]:
         """The free blocks in eviction order (first is evicted first)."""
         return list(self._free.values())

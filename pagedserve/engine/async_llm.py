@@ -185,6 +185,10 @@ class AsyncLLM:
         """Forget an adapter; ValueError if unknown or still used by a request."""
         await self._call(lambda: self.engine.remove_lora_by_name(lora_name))
 
+    async def memory_breakdown(self) -> dict:
+        """LLMEngine.memory_breakdown, read between steps (the block pool changes in them)."""
+        return await self._call(self.engine.memory_breakdown)
+
     async def abort(self, request_id: str) -> None:
         await self._call(lambda: self._abort(request_id))
 

@@ -32,6 +32,7 @@ from pagedserve.lora.peft import AdapterError, PeftAdapter
 from pagedserve.lora.registry import Adapter, LoRARegistry
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.loader import load_model_config, resolve_model_path
+from pagedserve.observability import memory
 from pagedserve.observability.events import (
     AdmissionWaited,
     EventBus,
@@ -87,7 +88,11 @@ class LLMEngine:
     ) -> None:
         """tokenizer, model: already loaded ones to share (tests build many engines over one)."""
         self.config = config
+        self._rss_at_start = memory.rss_bytes()
         self.tokenizer = tokenizer or Tokenizer.from_path(config.model_path)
+        self._tokenizer_bytes = (max(0, (memory.rss_bytes() or 0) - (self._rss_at_start or 0))
+                                 if tokenizer is None else 0)
+        """RSS growth while the tokenizer loaded (0 when it was handed in)."""
         draft_path = config.speculative.draft_model_path if config.speculative else None
         if draft_path is not None:  # before loading its weights: a mismatch fails fast
             check_same_tokenizer(self.tokenizer, Tokenizer.from_path(draft_path), draft_path)
@@ -277,7 +282,7 @@ class LLMEngine:
                 self.events.emit(RequestQueued(
                     request.request_id, request_id, arrival_time, request.num_prompt_tokens,
                     request.max_tokens, lora_request.lora_name if adapter else None,
-                    params.temperature, params.top_p, params.n))
+                    float(params.temperature), float(params.top_p), params.n))
         if adapter is not None:
             self.lora_registry.acquire(adapter)
             self._request_adapters[request_id] = adapter.lora_int_id
@@ -517,6 +522,31 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def memory_breakdown(self) -> dict:
+        """Where the memory went (observability/memory.py): tensors by part on every rank, the
+        tokenizer and the runtime peak by RSS growth, the KV pool's blocks, and how many
+        requests of each context length fit."""
+        breakdown = memory.combine_breakdown(self._rss_at_start, self._tokenizer_bytes,
+                                             self.executor.memory_report(), {})
+        pool = self.scheduler.kv_cache_manager.block_pool
+        num_free = pool.num_free_blocks
+        num_cached_free = pool.num_cached_free_blocks
+        kv_bytes = breakdown["components"].get("kv_pool", 0)
+        bytes_per_block = kv_bytes // pool.num_blocks if kv_bytes else 0
+        breakdown["kv_pool"] = {
+            "num_blocks": pool.num_blocks, "block_size": self.config.cache.block_size,
+            "bytes_per_block": bytes_per_block,
+            "bytes_per_token": bytes_per_block // self.config.cache.block_size,
+            "used_blocks": pool.num_usable_blocks - num_free,
+            "cached_free_blocks": num_cached_free, "free_blocks": num_free - num_cached_free}
+        breakdown["grammar_cache"] = {
+            "entries": self.structured_output_manager.num_cached_grammars,
+            "bytes": None}  # llguidance does not report the size of a compiled grammar
+        breakdown["capacity"] = memory.capacity_report(
+            pool.num_blocks, self.config.cache.block_size, self.config.scheduler.max_model_len,
+            bytes_per_block)
+        return breakdown
 
     # ---- LoRA adapters ----------------------------------------------------------------------
 

@@ -92,6 +92,10 @@ class Executor(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot profile")
 
     @abc.abstractmethod
+    def memory_report(self) -> list[dict]:
+        """Each rank's Worker.memory_report(), by rank."""
+        raise NotImplementedError
+
     def check_idle(self) -> list[str]:
         """What the workers still hold for requests: empty when idle (tests assert it)."""
 

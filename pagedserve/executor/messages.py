@@ -53,6 +53,11 @@ class CheckIdle:
 
 
 @dataclass
+class MemoryReport:
+    pass
+
+
+@dataclass
 class AddLoRA:
     """Load an adapter into host memory. Every rank replies: None, or the error's message (a bad
     adapter fails its own load, not the worker)."""
@@ -123,8 +128,8 @@ class WorkerFailure:
 
 
 for _cls in (Hello, InitWorker, DetermineNumKVBlocks, InitializeKVCache, ExecuteModel, CheckIdle,
-             AddLoRA, RemoveLoRA, StartProfile, StopProfile, ProfileReply, Shutdown, Sleep,
-             WakeUp, UpdateWeights, WorkerReply, WorkerFailure, config_module.EngineConfig,
+             MemoryReport, AddLoRA, RemoveLoRA, StartProfile, StopProfile, ProfileReply, Shutdown,
+             Sleep, WakeUp, UpdateWeights, WorkerReply, WorkerFailure, config_module.EngineConfig,
              config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
              config_module.DeviceConfig, config_module.SpeculativeConfig,
              config_module.StructuredOutputConfig, config_module.ParallelConfig,

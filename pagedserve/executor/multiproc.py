@@ -192,6 +192,10 @@ class MultiprocExecutor(Executor):
     def update_weights(self, model_path: str) -> None:
         self._call(messages.UpdateWeights(model_path), self._all_ranks).result()
 
+    def memory_report(self) -> list[dict]:
+        replies = self._call(messages.MemoryReport(), self._all_ranks).result()
+        return [replies[rank] for rank in sorted(replies)]
+
     def check_idle(self) -> list[str]:
         replies = self._call(messages.CheckIdle(), self._all_ranks).result()
         return [f"rank {rank}: {problem}" for rank, problems in sorted(replies.items())

@@ -48,6 +48,9 @@ class UniProcExecutor(Executor):
     def update_weights(self, model_path: str) -> None:
         self.worker.update_weights(model_path)
 
+    def memory_report(self) -> list[dict]:
+        return [self.worker.memory_report()]
+
     def start_profile(self) -> None:
         self.worker.start_profile()
 

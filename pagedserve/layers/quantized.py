@@ -158,6 +158,8 @@ def int4_scales_and_zeros(scales: torch.Tensor, mins: torch.Tensor, dtype: torch
 class Int4PackedWeight(torch.nn.Module):
     """y = x @ W^T with W in torch's CPU int4 packed format; for Q8_0, W is the 2K split."""
 
+    holds_packed_weights = True  # observability/memory.py counts its tensors as packed
+
     def __init__(self, weight: GGUFQuantWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.duplicate_input = weight.qtype == GQT.Q8_0
@@ -237,6 +239,8 @@ class GroupQuantizedWeight(torch.nn.Module):
     fly (int16 by default, within ~1e-5 of the exact product; int8 as llama.cpp does, see
     ACTIVATION_BITS), and VNNI multiplies the two in exact integer sums. 4-bit codes take half a
     byte, Q8_0 codes one byte (no split)."""
+
+    holds_packed_weights = True  # observability/memory.py counts its tensors as packed
 
     def __init__(self, weight: GGUFQuantWeight, ops) -> None:
         super().__init__()

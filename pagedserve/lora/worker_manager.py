@@ -123,6 +123,13 @@ class WorkerLoRAManager:
         """Device memory of all the slots."""
         return sum(s.a.nbytes + s.b.nbytes for s in self.slots.values())
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of the loaded adapters' factors."""
+        with self._lock:
+            return sum(a.nbytes + b.nbytes for adapter in self._host.values()
+                       for a, b in adapter.factors.values())
+
     # ---- adapters (any thread) --------------------------------------------------------------
 
     def add_adapter(self, lora_int_id: int, path: str) -> None:

@@ -289,7 +289,11 @@ class TimelineStore:
         if not timelines:
             return None
         if len(timelines) == 1 and len(seq_ids) == 1:
-            return timelines[0]
+            timeline = timelines[0]
+            if timeline["request_id"] == request_id or timeline["sequence_id"] == request_id:
+                return timeline
+            return {**timeline, "request_id": request_id,
+                    "engine_request_id": timeline["request_id"]}
         return {**timelines[0], "request_id": request_id, "sequences": timelines}
 
     def recent(self, limit: int = 50) -> list[dict]:

@@ -28,6 +28,7 @@ from pagedserve.core.outputs import (
 from pagedserve.distributed import get_pp_group
 from pagedserve.kv_transfer.base import KVConnectorWorker
 from pagedserve.lora.worker_manager import WorkerLoRAManager
+from pagedserve.observability.memory import model_bytes, tensors_bytes
 from pagedserve.sample.bitmask import apply_token_bitmask_
 from pagedserve.sample.rejection_sampler import RejectionSampler
 from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -112,6 +113,22 @@ class ModelRunner:
                 self.device, self.device_config.keeps_weights_packed,
                 self.device_config.quantize_on_load,
             ))
+
+    def memory_components(self) -> dict[str, int]:
+        """Bytes of this rank's tensors, by part (observability/memory.py)."""
+        parts: dict[str, int] = {}
+        if self.model is not None:
+            parts.update(model_bytes(self.model))
+        parts["kv_pool"] = tensors_bytes(self.kv_caches)
+        if isinstance(self.proposer, DraftModelProposer):
+            parts["draft_kv"] = tensors_bytes(self.proposer.kv.kv_caches)
+            if self.proposer.model is not self.model:
+                draft = model_bytes(self.proposer.model)
+                parts["draft_weights"] = sum(draft.values())
+        if self.lora_manager is not None:
+            parts["lora_slots"] = self.lora_manager.slot_bytes
+            parts["lora_host"] = self.lora_manager.host_bytes
+        return parts
 
     # ---- sleep mode and weight reload -------------------------------------------------------
 

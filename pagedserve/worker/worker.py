@@ -13,6 +13,7 @@ import ctypes
 import gc
 import hashlib
 import logging
+import os
 import sys
 
 import torch
@@ -24,6 +25,7 @@ from pagedserve.distributed.cpu_binding import bind_to_cpus, cpu_share, usable_c
 from pagedserve.kernels import cpu_ops
 from pagedserve.lora.worker_manager import WorkerLoRAManager
 from pagedserve.models.loader import load_model
+from pagedserve.observability import memory
 from pagedserve.worker.model_runner import DTYPES, ModelRunner
 from pagedserve.worker.profiler import StepProfiler, step_range
 
@@ -100,6 +102,9 @@ class Worker:
         config = self.config
         if self.model is None:
             self.model = self._load_weights(self.model_path)
+            # Loading leaves tens of MB of freed temporaries (dequantized shards) in glibc's
+            # heaps: give them back, so the RSS is the weights (observability/memory.py).
+            release_memory(self.device)
         self.model_runner = ModelRunner(
             self.model, config.model, config.cache, config.device, self.device,
             speculative_config=config.speculative,
@@ -145,6 +150,7 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         with cpu_ops.building_with(self._kernel_config()):  # a separate draft model loads here
             self.model_runner.initialize_kv_cache(num_blocks)
+        self._mark_ready_for_memory_report()
         if self.config.kv_transfer is not None:
             from pagedserve.kv_transfer.tiered import open_stores, parse_tiers
             from pagedserve.kv_transfer.tiered_worker import TieredConnectorWorker
@@ -155,6 +161,26 @@ class Worker:
                                               options.max_pending_save_blocks, options.sync_saves)
             connector.register_kv_caches(self.model_runner.kv_caches)
             self.model_runner.kv_connector = connector
+
+    def _mark_ready_for_memory_report(self) -> None:
+        """From here on, RSS growth is the runtime's: activations, workspaces, caches."""
+        self._rss_when_ready = memory.rss_bytes()
+        memory.reset_peak_rss()
+
+    def memory_report(self) -> dict:
+        """This rank's tensors by part, its RSS, and its runtime peak: the peak RSS since the KV
+        pool was allocated, over the RSS then (activations and buffers; the CPU has no
+        allocator statistics; on CUDA, the allocator's peak beyond weights and KV)."""
+        components = self.model_runner.memory_components()
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            components["runtime_peak"] = max(0, peak - sum(components.values()))
+        else:
+            peak, ready = memory.peak_rss_bytes(), getattr(self, "_rss_when_ready", None)
+            components["runtime_peak"] = (max(0, peak - ready)
+                                          if peak is not None and ready is not None else 0)
+        return {"rank": self.rank, "pid": os.getpid(), "rss_bytes": memory.rss_bytes(),
+                "components": components}
 
     def time_prefill(self, num_tokens: int, context_len: int) -> float:
         """Seconds a prefill of `num_tokens` after `context_len` cached tokens takes (the KV
@@ -239,6 +265,7 @@ class Worker:
         if runner.kv_connector is not None:
             runner.kv_connector.register_kv_caches(runner.kv_caches)
         self.sleep_level = 0
+        self._mark_ready_for_memory_report()
 
     def _models(self) -> list[torch.nn.Module]:
         """The target model and a separate draft model (a self-draft is the target)."""

@@ -51,9 +51,12 @@ from pagedserve.entrypoints.openai.serving_lora import (
     parse_lora_module,
     runtime_updates_from_env,
 )
+from pagedserve.entrypoints.openai.debug_routes import MemoryGauges, add_debug_routes
 from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.models.loader import DEFAULT_MODEL
+from pagedserve.observability.timeline import DEFAULT_HISTORY as DEFAULT_TIMELINE_HISTORY
+from pagedserve.observability.timeline import TimelineStore
 from pagedserve.router.config import POLICY_NAMES
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,8 @@ class ServerConfig:
     """The directory runtime adapter loads must come from."""
     enable_lora_runtime_updates: bool = False
     """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    timeline_history: int = DEFAULT_TIMELINE_HISTORY
+    """Finished requests whose timelines GET /v1/requests/{id}/timeline still answers."""
     otlp_traces_endpoint: str | None = None
     """Export an OpenTelemetry span per finished request here (OTLP/HTTP protobuf)."""
 
@@ -101,6 +106,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        if self.timeline_history < 1:
+            raise ValueError(f"--timeline-history must be >= 1, got {self.timeline_history}")
         if self.enable_lora_runtime_updates and self.lora_dir is None:
             raise ValueError("--enable-lora-runtime-updates needs --lora-dir: the one directory "
                              "adapters may be loaded from at run time")
@@ -124,6 +131,7 @@ class ServerConfig:
             lora_dir=args.lora_dir,
             enable_lora_runtime_updates=(args.enable_lora_runtime_updates
                                          or runtime_updates_from_env()),
+            timeline_history=args.timeline_history,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
 
@@ -255,11 +263,14 @@ def build_app(
     async_llm: AsyncLLM,
     args: ServerConfig | argparse.Namespace,
     stat_logger: PrometheusStatLogger | None = None,
+    timelines: TimelineStore | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `async_llm` (which the caller owns and shuts down).
 
     `stat_logger`: whose registry /metrics serves; default, the PrometheusStatLogger among
     `async_llm.stat_loggers`, else prometheus_client's global registry.
+    `timelines`: the store the timeline routes read; default, a new one subscribed to the
+    engine's events.
     """
     config = args if isinstance(args, ServerConfig) else ServerConfig.from_cli_args(args)
     if stat_logger is None:
@@ -267,11 +278,15 @@ def build_app(
                             if isinstance(s, PrometheusStatLogger)), None)
     lora = (LoRAServing(async_llm, config.served_model_name, config.lora_dir)
             if async_llm.engine.lora_registry is not None else None)
-    serving = OpenAIServing(async_llm, config.served_model_name, lora)
+    if timelines is None:
+        timelines = TimelineStore(config.timeline_history)
+        async_llm.engine.events.subscribe(timelines.on_events)
+    serving = OpenAIServing(async_llm, config.served_model_name, lora, timelines)
     state = ServerState(config)
     app = FastAPI(title="pagedserve", version=pagedserve.__version__)
     app.state.server = state
     app.state.lora = lora
+    app.state.timelines = timelines
     app.add_middleware(_RequestGate, state=state)
     add_exception_handlers(app)
 
@@ -315,9 +330,13 @@ def build_app(
     async def version() -> dict:
         return {"version": pagedserve.__version__}
 
+    memory_gauges = (MemoryGauges(config.served_model_name, stat_logger.registry)
+                     if stat_logger is not None else None)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         if stat_logger is not None:
+            await memory_gauges.refresh(async_llm)
             return Response(stat_logger.render(), media_type=METRICS_CONTENT_TYPE)
         return Response(prometheus_client.generate_latest(),
                         media_type=prometheus_client.CONTENT_TYPE_LATEST)
@@ -369,8 +388,9 @@ def build_app(
         return await respond(raw_request, serving.detokenize(request))
 
     _add_lifecycle_routes(app, async_llm, read_request)
+    add_debug_routes(app, async_llm, timelines)
     add_profiler_routes(app, async_llm)
-    app.state.tracer = (attach_request_tracer(async_llm, config.otlp_traces_endpoint,
+    app.state.tracer = (attach_request_tracer(timelines, config.otlp_traces_endpoint,
                                               config.served_model_name)
                         if config.otlp_traces_endpoint else None)
     return app
@@ -609,6 +629,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-lora-runtime-updates", action="store_true",
                        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); needs --lora-dir")
+    group.add_argument("--timeline-history", type=int, default=ServerConfig.timeline_history,
+                       help="finished requests whose timelines GET /v1/requests/{id}/timeline "
+                            "keeps (a ring; live requests are always kept)")
     group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                        help="export an OpenTelemetry span per finished request over OTLP/HTTP, "
                             "e.g. http://localhost:4318/v1/traces (needs pagedserve[otlp])")

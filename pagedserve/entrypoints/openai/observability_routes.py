@@ -1,8 +1,9 @@
 """The server's profiler routes (vLLM's POST /start_profile and /stop_profile) and its OTLP
 tracer: one span per finished request to --otlp-traces-endpoint.
 
-build_app calls add_profiler_routes and attach_request_tracer; everything else about profiling
-lives in the engine (LLMEngine.start_profile) and about spans in observability/tracing.py.
+build_app calls add_profiler_routes and attach_request_tracer (over the server's TimelineStore);
+everything else about profiling lives in the engine (LLMEngine.start_profile), about spans in
+observability/tracing.py.
 """
 
 from __future__ import annotations
@@ -41,16 +42,10 @@ def add_profiler_routes(app: FastAPI, async_llm: AsyncLLM) -> None:
         return JSONResponse({"traces": paths})
 
 
-def attach_request_tracer(async_llm: AsyncLLM, endpoint: str, model_name: str,
-                          timelines: TimelineStore | None = None):
-    """Export a span per finished request to `endpoint` (observability/tracing.py), built from
-    `timelines`, or from a store subscribed here to the engine's events. Returns the tracer
-    (call its shutdown() to flush at exit); ValueError if OpenTelemetry is missing."""
+def attach_request_tracer(timelines: TimelineStore, endpoint: str, model_name: str):
+    """Export a span per request that `timelines` sees finish to `endpoint`
+    (observability/tracing.py). Returns the tracer (call its shutdown() to flush at exit);
+    ValueError if OpenTelemetry is missing."""
     from pagedserve.observability.tracing import attach_tracer
 
-    if timelines is None:
-        timelines = TimelineStore()
-        # NOTE: subscribing from this thread is safe only before requests arrive (the server
-        # is not listening yet): the engine thread reads the subscriber list at every step.
-        async_llm.engine.events.subscribe(timelines.on_events)
     return attach_tracer(timelines, endpoint, model_name)

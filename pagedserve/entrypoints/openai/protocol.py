@@ -98,6 +98,9 @@ class GenerationRequest(RequestModel):
     cache_salt: str | None = Field(default=None, min_length=1)
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     """Echoed as the response id; the engine always gets a fresh id of its own."""
+    return_timeline: bool = False
+    """pagedserve's: add the request's timeline (GET /v1/requests/{id}/timeline) to the
+    response, or to the last chunk of a stream."""
     # constrained output
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -327,6 +330,8 @@ class CompletionResponse(ResponseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    timeline: dict | None = Field(default=None, exclude_if=lambda value: value is None)
+    """With return_timeline: where the request's time went (observability/timeline.py)."""
 
 
 class CompletionStreamResponse(ResponseModel):
@@ -336,6 +341,8 @@ class CompletionStreamResponse(ResponseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    timeline: dict | None = Field(default=None, exclude_if=lambda value: value is None)
+    """With return_timeline: where the request's time went (observability/timeline.py)."""
 
 
 class ChatLogProb(ResponseModel):
@@ -385,6 +392,8 @@ class ChatCompletionResponse(ResponseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    timeline: dict | None = Field(default=None, exclude_if=lambda value: value is None)
+    """With return_timeline: where the request's time went (observability/timeline.py)."""
 
 
 class _SparseModel(ResponseModel):
@@ -435,6 +444,8 @@ class ChatCompletionStreamResponse(ResponseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    timeline: dict | None = Field(default=None, exclude_if=lambda value: value is None)
+    """With return_timeline: where the request's time went (observability/timeline.py)."""
 
 
 class TokenizeResponse(ResponseModel):

@@ -32,6 +32,7 @@ from pagedserve.entrypoints.openai.tool_parsers import (
 )
 from pagedserve.entrypoints.openai.tool_prompts import ToolPlan, plan_tools, template_messages
 from pagedserve.lora.request import LoRARequest
+from pagedserve.observability.timeline import TimelineStore
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -305,9 +306,12 @@ class OpenAIServing:
     """The OpenAI API over one AsyncLLM. Each public coroutine raises APIError for bad requests."""
 
     def __init__(self, async_llm: AsyncLLM, served_model_name: str,
-                 lora: LoRAServing | None = None) -> None:
-        """lora: the LoRA adapters requests may name as `model` (None: LoRA is off)."""
+                 lora: LoRAServing | None = None, timelines: TimelineStore | None = None
+                 ) -> None:
+        """lora: the LoRA adapters requests may name as `model` (None: LoRA is off).
+        timelines: where requests' timelines are kept (None: return_timeline gives none)."""
         self.async_llm = async_llm
+        self.timelines = timelines
         self.tokenizer = async_llm.tokenizer
         self.served_model_name = served_model_name
         self.lora = lora
@@ -585,11 +589,14 @@ class OpenAIServing:
         # Engine ids are ours alone: clients' request_id values may repeat.
         base_id = f"cmpl-{uuid.uuid4().hex}"
         lora = self.check_model(request.model)
+        engine_ids = [f"{base_id}-{index}" for index in range(len(prompts))]
+        if self.timelines is not None:
+            self.timelines.add_alias(fmt.response_id, engine_ids)
         streams = [
             self.async_llm.generate({"prompt_token_ids": prompt.token_ids}, prompt_params,
-                                    f"{base_id}-{index}", priority=request.priority,
+                                    engine_id, priority=request.priority,
                                     cache_salt=request.cache_salt, lora_request=lora)
-            for index, (prompt, prompt_params) in enumerate(zip(prompts, params))
+            for engine_id, prompt, prompt_params in zip(engine_ids, prompts, params)
         ]
         generation = Generation(streams)
         try:
@@ -599,9 +606,16 @@ class OpenAIServing:
         usage = _Usage([len(prompt.token_ids) for prompt in prompts])
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = self._stream(generation, fmt, usage, request.n, include_usage)
+            events = self._stream(generation, fmt, usage, request.n, include_usage,
+                                  request.return_timeline)
             return EventStream(events, generation)
-        return await self._collect(generation, fmt, usage, request.n)
+        response = await self._collect(generation, fmt, usage, request.n)
+        if request.return_timeline:
+            response.timeline = self._timeline(fmt.response_id)
+        return response
+
+    def _timeline(self, response_id: str) -> dict | None:
+        return self.timelines.get(response_id) if self.timelines is not None else None
 
     async def _collect(self, generation: Generation, fmt: _ResponseFormat, usage: _Usage,
                        n: int) -> BaseModel:
@@ -623,7 +637,8 @@ class OpenAIServing:
         return fmt.response(final, usage.info())
 
     async def _stream(self, generation: Generation, fmt: _ResponseFormat, usage: _Usage,
-                      n: int, include_usage: bool) -> AsyncIterator[str]:
+                      n: int, include_usage: bool, return_timeline: bool = False
+                      ) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
         try:
             for chunk in fmt.initial_chunks():
@@ -639,8 +654,11 @@ class OpenAIServing:
                     choice.finish_reason = completion.finish_reason
                     if streamed is not None:
                         yield _sse(fmt.chunk([streamed]))
-            if include_usage:
-                yield _sse(fmt.chunk([], usage=usage.info()))
+            if include_usage or return_timeline:
+                chunk = fmt.chunk([], usage=usage.info() if include_usage else None)
+                if return_timeline:
+                    chunk.timeline = self._timeline(fmt.response_id)
+                yield _sse(chunk)
         except (EngineDrainingError, EngineDeadError) as error:
             yield _sse(engine_error(error).body())
         finally:
