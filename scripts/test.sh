@@ -15,4 +15,15 @@ if ! command -v redis-server >/dev/null 2>&1; then
         echo "warning: could not install redis-server; the Redis store tests will skip" >&2
     fi
 fi
+# The dashboard's browser test drives headless Chromium; same pattern: skips (saying why) if absent.
+if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
+    sudo=()
+    [ "$(id -u)" = 0 ] || sudo=(sudo -n)
+    if ! { command -v apt-get >/dev/null 2>&1 &&
+           timeout 600 "${sudo[@]}" apt-get update -qq &&
+           timeout 900 "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+               apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }; then
+        echo "warning: could not install chromium; the dashboard browser test will skip" >&2
+    fi
+fi
 exec .venv/bin/python -m pytest -q "$@"

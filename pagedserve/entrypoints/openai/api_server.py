@@ -33,6 +33,7 @@ from pagedserve.executor import ExecutorError
 from pagedserve.executor.multiproc import run_headless
 from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.auth import check_api_key, header
+from pagedserve.entrypoints.openai.dashboard import DASHBOARD_PATH, add_dashboard_routes
 from pagedserve.entrypoints.openai.errors import (
     APIError,
     add_exception_handlers,
@@ -55,14 +56,16 @@ from pagedserve.entrypoints.openai.debug_routes import MemoryGauges, add_debug_r
 from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.models.loader import DEFAULT_MODEL
+from pagedserve.observability.live_stats import LiveStats
 from pagedserve.observability.timeline import DEFAULT_HISTORY as DEFAULT_TIMELINE_HISTORY
 from pagedserve.observability.timeline import TimelineStore
 from pagedserve.router.config import POLICY_NAMES
 
 logger = logging.getLogger(__name__)
 
-_UNAUTHENTICATED_PATHS = frozenset({"/health", "/load"})
-"""Polled by load balancers and the data-parallel router, which hold no key."""
+_UNAUTHENTICATED_PATHS = frozenset({"/health", "/load", DASHBOARD_PATH})
+"""Polled by load balancers and the data-parallel router, which hold no key; the dashboard page
+(no data in it: its own calls send the key)."""
 _CONNECTION_CLOSE_TIMEOUT = 5.0
 """Seconds uvicorn waits for open connections after the engine has drained."""
 _MAX_DISCARDED_BODY_BYTES = 64 << 20
@@ -388,6 +391,7 @@ def build_app(
         return await respond(raw_request, serving.detokenize(request))
 
     _add_lifecycle_routes(app, async_llm, read_request)
+    add_dashboard_routes(app, async_llm)  # its LiveStats: the one among async_llm.stat_loggers
     add_debug_routes(app, async_llm, timelines)
     add_profiler_routes(app, async_llm)
     app.state.tracer = (attach_request_tracer(timelines, config.otlp_traces_endpoint,
@@ -586,7 +590,7 @@ def run_server(args: argparse.Namespace) -> int:
     stat_logger = PrometheusStatLogger(
         config.served_model_name, max_model_len=engine.config.scheduler.max_model_len,
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else None)
-    async_llm = AsyncLLM(engine, [stat_logger])
+    async_llm = AsyncLLM(engine, [stat_logger, LiveStats()])
     app = build_app(async_llm, config, stat_logger)
     clean = asyncio.run(serve_app(app, async_llm, config))
     return 0 if clean else 1
