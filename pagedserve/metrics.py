@@ -1,13 +1,25 @@
-"""Prometheus metrics for a serving engine, named like vLLM's (`pagedserve:` prefix).
+"""Prometheus metrics and the periodic stats log line of a serving engine.
 
-The engine thread feeds `record_step` (scheduler stats after every step) and `record_output`
-(every DELTA RequestOutput); the HTTP server exposes `make_asgi_app()` or `render()` at /metrics.
-Knows nothing of the engine's internals beyond `SchedulerStats` and `RequestOutput`.
+A metric vLLM also has is served under vLLM's name, type and labels (`vllm:` prefix, labels
+`model_name` and `engine`), so vLLM's dashboards and alerts work unchanged; the ones vLLM lacks
+(structured output, KV tiers, our extra speculative-decoding series, prompt tokens computed) keep
+the `pagedserve:` prefix and the `model_name` label. Names, types, labels and buckets were checked
+against vllm-project/vllm `vllm/v1/metrics/loggers.py` and `vllm/v1/spec_decode/metrics.py` (V1
+engine, 0.10-0.11 era), and the dashboard's queries against its Prometheus/Grafana example
+`examples/observability/prometheus_grafana/grafana.json` at commit 4b5c627c23e6 (see
+tests/test_metrics_vllm_names.py).
+
+The engine thread feeds `record_step` (scheduler stats after every step, and about once a second
+while idle) and `record_output` (every DELTA RequestOutput); the HTTP server exposes
+`make_asgi_app()` or `render()` at /metrics. Knows nothing of the engine's internals beyond
+`SchedulerStats` and `RequestOutput`.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 import prometheus_client
@@ -16,11 +28,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pagedserve.core.stats import SchedulerStats, SpecDecodingStats
 from pagedserve.outputs import RequestOutput
 
+logger = logging.getLogger(__name__)
+
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 """The Content-Type of `render()`'s bytes."""
 
+VLLM_LABELS = ("model_name", "engine")
+"""vLLM's labels on every `vllm:` metric. `engine` is the engine core's index: always "0" here
+(one engine per server process; the -dp front tells replicas apart with `replica`)."""
+ENGINE_INDEX = "0"
+
 # vLLM's buckets (seconds). Inter-token buckets also get sub-10 ms steps: a small model on a GPU
-# decodes faster than vLLM's first bucket.
+# decodes faster than vLLM's first bucket (every vLLM boundary is kept, so its queries still work).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
@@ -31,17 +50,31 @@ GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                            2.5, 5.0, 10.0, 30.0)
 GRAMMAR_MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                         0.1, 0.25, 0.5, 1.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort")
 """Pre-created `request_success_total` series, so they read 0 rather than being absent."""
 
-# SchedulerStats counter field -> our counter's name (exposed with a `_total` suffix).
+# SchedulerStats counter field -> (our counter's full name without `_total`, its help).
 _STATS_COUNTERS = {
-    "num_prompt_tokens_computed": "prompt_tokens",
-    "num_generation_tokens": "generation_tokens",
-    "prefix_cache_queries": "prefix_cache_queries",
-    "prefix_cache_hits": "prefix_cache_hits",
-    "num_preemptions": "num_preemptions",
+    "num_prompt_tokens_computed": (
+        "pagedserve:prompt_tokens_computed",
+        "Prompt tokens computed by prefill (prefix-cache and KV-tier hits excluded, prompts "
+        "recomputed after a preemption counted again)."),
+    "num_generation_tokens": ("vllm:generation_tokens", "Number of generation tokens processed."),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries",
+                             "Prefix cache queries, in terms of number of queried tokens."),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits",
+                          "Prefix cache hits, in terms of number of cached tokens."),
+    "num_preemptions": ("vllm:num_preemptions",
+                        "Cumulative number of preemption from the engine."),
 }
+
+
+def _counter_growth(value: float, last: float) -> float:
+    # NOTE: a smaller value means the stats counters restarted from zero (a new engine behind
+    # this logger); Prometheus counts that as a reset, so all of it is new.
+    return value - last if value >= last else value
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -68,34 +101,39 @@ class _RequestState:
 
 
 class _SpecDecodeMetrics:
-    """Speculative decoding's counters, named like vLLM's `vllm:spec_decode_*`. Rates are ratios
-    of counters (acceptance rate = accepted / draft tokens; at position i = accepted_per_pos /
-    draft_tokens_per_pos); the mean accepted length since start is also a gauge."""
+    """Speculative decoding's counters: vLLM's `vllm:spec_decode_*` four, plus our draft tokens
+    per position and mean acceptance length. Rates are ratios of counters (acceptance rate =
+    accepted / draft tokens; at position i = accepted_per_pos / draft_tokens_per_pos, or vLLM's
+    accepted_per_pos / drafts); the mean accepted length since start is also a gauge."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry, num_positions: int) -> None:
-        labels = {"model_name": model_name}
+        labels = {"model_name": model_name, "engine": ENGINE_INDEX}
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"pagedserve:spec_decode_{name}", doc, ["model_name"],
+            return Counter(f"vllm:spec_decode_{name}", doc, VLLM_LABELS,
                            registry=registry).labels(**labels)
 
-        def per_pos_counter(name: str, doc: str) -> list[Counter]:
-            family = Counter(f"pagedserve:spec_decode_{name}", doc, ["model_name", "position"],
-                             registry=registry)
-            return [family.labels(model_name=model_name, position=str(pos))
+        def per_pos_counter(full_name: str, doc: str, label_names: tuple[str, ...],
+                            **label_values: str) -> list[Counter]:
+            family = Counter(full_name, doc, [*label_names, "position"], registry=registry)
+            return [family.labels(**label_values, position=str(pos))
                     for pos in range(num_positions)]
 
-        self.num_drafts = counter("num_drafts", "Draft runs verified (one per request per step).")
-        self.num_draft_tokens = counter("num_draft_tokens", "Draft tokens verified.")
-        self.num_accepted_tokens = counter("num_accepted_tokens", "Draft tokens accepted.")
+        self.num_drafts = counter("num_drafts", "Number of spec decoding drafts (one per request "
+                                  "per verifying step).")
+        self.num_draft_tokens = counter("num_draft_tokens", "Number of draft tokens.")
+        self.num_accepted_tokens = counter("num_accepted_tokens", "Number of accepted tokens.")
         self.num_draft_tokens_per_pos = per_pos_counter(
-            "num_draft_tokens_per_pos", "Draft runs with a token at this position (from 0).")
+            "pagedserve:spec_decode_num_draft_tokens_per_pos",
+            "Draft runs with a token at this position (from 0).", ("model_name",),
+            model_name=model_name)
         self.num_accepted_tokens_per_pos = per_pos_counter(
-            "num_accepted_tokens_per_pos", "Draft runs whose token at this position was accepted.")
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            VLLM_LABELS, **labels)
         self.mean_acceptance_length = Gauge(
             "pagedserve:spec_decode_mean_acceptance_length",
             "Tokens gained per verifying step since start: 1 + accepted / drafts.",
-            ["model_name"], registry=registry).labels(**labels)
+            ["model_name"], registry=registry).labels(model_name=model_name)
         self._last = SpecDecodingStats()
 
     def record(self, stats: SpecDecodingStats) -> None:
@@ -203,81 +241,111 @@ class PrometheusStatLogger:
         self._lock = threading.Lock()
         self._requests: dict[str, _RequestState] = {}
         self._last_counter_values = dict.fromkeys(_STATS_COUNTERS, 0)
-        labels = {"model_name": model_name}
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagedserve:{name}", doc, ["model_name"], registry=self.registry
-                         ).labels(**labels)
+        def labelled(cls, full_name: str, doc: str, **kwargs):
+            """One series: vLLM's labels on a `vllm:` metric, `model_name` on ours."""
+            labels = {"model_name": model_name}
+            if full_name.startswith("vllm:"):
+                labels["engine"] = ENGINE_INDEX
+            return cls(full_name, doc, list(labels), registry=self.registry,
+                       **kwargs).labels(**labels)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"pagedserve:{name}", doc, ["model_name"], registry=self.registry
-                           ).labels(**labels)
+        def vllm_metric(cls, name: str, doc: str, **kwargs):
+            return labelled(cls, f"vllm:{name}", doc, **kwargs)
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"pagedserve:{name}", doc, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(**labels)
+        def own_metric(cls, name: str, doc: str, **kwargs):
+            return labelled(cls, f"pagedserve:{name}", doc, **kwargs)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting",
-                                          "Requests waiting to be scheduled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
-                                         "Fraction of KV cache blocks in use (1 = 100%).")
-        counter_docs = {
-            "prompt_tokens": "Prompt tokens computed by prefill (prefix-cache hits excluded).",
-            "generation_tokens": "Generated tokens.",
-            "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
-            "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
-            "num_preemptions": "Requests preempted (their KV freed, to be recomputed).",
-        }
-        self._counters = {field_name: counter(name, counter_docs[name])
-                          for field_name, name in _STATS_COUNTERS.items()}
-        request_success = Counter("pagedserve:request_success", "Finished requests.",
-                                  ["model_name", "finished_reason"], registry=self.registry)
+        # ---- scheduler state and counters (SchedulerStats) ----
+        self.num_requests_running = vllm_metric(
+            Gauge, "num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = vllm_metric(
+            Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage_perc = vllm_metric(
+            Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self._counters = {field_name: labelled(Counter, name, doc)
+                          for field_name, (name, doc) in _STATS_COUNTERS.items()}
+        self.iteration_tokens = vllm_metric(
+            Histogram, "iteration_tokens_total", "Histogram of number of tokens per engine_step "
+            "(prompt tokens computed + tokens generated).", buckets=ITERATION_TOKEN_BUCKETS)
+        # ---- per request (RequestOutput) ----
+        self.prompt_tokens = vllm_metric(
+            Counter, "prompt_tokens", "Number of prefill tokens processed (a request's whole "
+            "prompt, prefix-cache hits included, counted once when its first token comes).")
+        request_success = Counter("vllm:request_success",
+                                  "Count of successfully processed requests.",
+                                  [*VLLM_LABELS, "finished_reason"], registry=self.registry)
         self._request_success = request_success
         for reason in FINISH_REASONS:
-            request_success.labels(model_name=model_name, finished_reason=reason)
+            request_success.labels(model_name=model_name, engine=ENGINE_INDEX,
+                                   finished_reason=reason)
 
-        self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds",
-            "Time between a sequence's consecutive outputs per token in the later one.",
-            INTER_TOKEN_BUCKETS)
-        self.request_time_per_output_token = histogram(
-            "request_time_per_output_token_seconds",
-            "Per request: (last token - first token) / (output tokens - 1).", INTER_TOKEN_BUCKETS)
+        self.time_to_first_token = vllm_metric(
+            Histogram, "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds (arrival to first token).",
+            buckets=TTFT_BUCKETS)
+        self.inter_token_latency = vllm_metric(
+            Histogram, "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds (a sequence's gap between outputs, per "
+            "token of the later one).", buckets=INTER_TOKEN_BUCKETS)
+        self.request_time_per_output_token = vllm_metric(
+            Histogram, "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request: (last token - first "
+            "token) / (output tokens - 1).", buckets=INTER_TOKEN_BUCKETS)
         latency_histograms = {
-            "e2e_request_latency": "Arrival to finish.",
-            "request_queue_time": "Arrival to first scheduled.",
-            "request_prefill_time": "First scheduled to first token.",
-            "request_decode_time": "First token to last token.",
+            "e2e_request_latency": "Histogram of e2e request latency in seconds.",
+            "request_queue_time": "Histogram of time spent in WAITING phase for request "
+                                  "(arrival to first scheduled).",
+            "request_inference_time": "Histogram of time spent in RUNNING phase for request "
+                                      "(first scheduled to last token: prefill + decode).",
+            "request_prefill_time": "Histogram of time spent in PREFILL phase for request "
+                                    "(first scheduled to first token).",
+            "request_decode_time": "Histogram of time spent in DECODE phase for request "
+                                   "(first token to last token).",
         }
-        self._latency = {name: histogram(f"{name}_seconds", doc, REQUEST_LATENCY_BUCKETS)
+        self._latency = {name: vllm_metric(Histogram, f"{name}_seconds", doc,
+                                           buckets=REQUEST_LATENCY_BUCKETS)
                          for name, doc in latency_histograms.items()}
-        self.structured_output_requests = counter(
-            "structured_output_requests", "Sequences that ran with a structured output constraint "
-            "(JSON schema, regex, choice, grammar or a forced tool call).")
-        self.grammar_compile_failures = counter(
-            "grammar_compile_failures", "Requests failed because their grammar did not compile "
-            "or ran past the compile budget.")
-        self.grammar_compile_time = histogram(
-            "grammar_compile_time_seconds", "Time to compile one structured output grammar "
-            "(cache misses only).", GRAMMAR_COMPILE_BUCKETS)
-        self.grammar_mask_time = histogram(
-            "grammar_mask_time_seconds", "Per engine step with constrained rows: time to fill "
-            "their token bitmasks.", GRAMMAR_MASK_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = vllm_metric(
+            Histogram, "request_prompt_tokens", "Number of prefill tokens processed (prompt "
+            "tokens per finished request).", buckets=token_buckets)
+        self.request_generation_tokens = vllm_metric(
+            Histogram, "request_generation_tokens", "Number of generation tokens processed "
+            "(per finished request, all sequences).", buckets=token_buckets)
+        self.request_max_num_generation_tokens = vllm_metric(
+            Histogram, "request_max_num_generation_tokens", "Histogram of maximum number of "
+            "requested generation tokens (per finished request: its longest sequence).",
+            buckets=token_buckets)
+        self.request_prefill_kv_computed_tokens = vllm_metric(
+            Histogram, "request_prefill_kv_computed_tokens", "Histogram of new KV tokens "
+            "computed during prefill (excluding cached tokens).", buckets=token_buckets)
+        self.request_params_n = vllm_metric(
+            Histogram, "request_params_n", "Histogram of the n request parameter.",
+            buckets=REQUEST_N_BUCKETS)
+        self.request_params_max_tokens = vllm_metric(
+            Histogram, "request_params_max_tokens", "Histogram of the max_tokens request "
+            "parameter (as run: the engine's default when the request set none).",
+            buckets=token_buckets)
+        # ---- ours: structured output, KV tiers, speculative decoding extras ----
+        self.structured_output_requests = own_metric(
+            Counter, "structured_output_requests", "Sequences that ran with a structured output "
+            "constraint (JSON schema, regex, choice, grammar or a forced tool call).")
+        self.grammar_compile_failures = own_metric(
+            Counter, "grammar_compile_failures", "Requests failed because their grammar did not "
+            "compile or ran past the compile budget.")
+        self.grammar_compile_time = own_metric(
+            Histogram, "grammar_compile_time_seconds", "Time to compile one structured output "
+            "grammar (cache misses only).", buckets=GRAMMAR_COMPILE_BUCKETS)
+        self.grammar_mask_time = own_metric(
+            Histogram, "grammar_mask_time_seconds", "Per engine step with constrained rows: time "
+            "to fill their token bitmasks.", buckets=GRAMMAR_MASK_BUCKETS)
         self._structured_seen = {"requests": 0, "failures": 0, "compiles": 0, "masks": 0}
         self._kv_tier: _KVTierMetrics | None = None
         self._spec_decode: _SpecDecodeMetrics | None = None
         if num_speculative_tokens is not None:
             self._spec_decode = _SpecDecodeMetrics(
                 model_name, self.registry, num_speculative_tokens)
-        token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Prompt tokens per finished request.", token_buckets)
-        self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Generated tokens per finished request (all sequences).",
-            token_buckets)
 
     # ---- engine thread ------------------------------------------------------------------------
 
@@ -288,13 +356,16 @@ class PrometheusStatLogger:
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         with self._lock:
+            growth = {}
             for field_name, counter in self._counters.items():
                 value = getattr(stats, field_name)
-                last = self._last_counter_values[field_name]
-                # NOTE: a smaller value means the stats counters restarted from zero (a new engine
-                # behind this logger); Prometheus counts that as a reset, so all of it is new.
-                counter.inc(value - last if value >= last else value)
+                growth[field_name] = _counter_growth(value, self._last_counter_values[field_name])
+                counter.inc(growth[field_name])
                 self._last_counter_values[field_name] = value
+            # One call per engine step (the idle thread's calls add nothing): the step's tokens.
+            step_tokens = growth["num_prompt_tokens_computed"] + growth["num_generation_tokens"]
+            if step_tokens > 0:
+                self.iteration_tokens.observe(step_tokens)
             if self._spec_decode is not None:
                 self._spec_decode.record(stats.spec_decoding)
             self._record_structured_output(stats.structured_output)
@@ -308,7 +379,7 @@ class PrometheusStatLogger:
         seen = self._structured_seen
 
         def grow(key: str, total: int) -> int:
-            new = total - seen[key] if total >= seen[key] else total  # restarted engine
+            new = _counter_growth(total, seen[key])
             seen[key] = total
             return new
 
@@ -345,6 +416,7 @@ class PrometheusStatLogger:
             ttft = output.metrics.time_to_first_token
             if not state.ttft_observed and ttft is not None:
                 self.time_to_first_token.observe(ttft)
+                self.prompt_tokens.inc(len(output.prompt_token_ids))  # its prefill is done
                 state.ttft_observed = True
             if output.finished:
                 del self._requests[output.request_id]
@@ -356,9 +428,16 @@ class PrometheusStatLogger:
         metrics = output.metrics
         reasons = {completion.index: completion.finish_reason for completion in output.outputs}
         reason = reasons.get(0) or next((r for r in reasons.values() if r is not None), "abort")
-        self._request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
-        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self._request_success.labels(model_name=self.model_name, engine=ENGINE_INDEX,
+                                     finished_reason=reason).inc()
+        num_prompt_tokens = len(output.prompt_token_ids)
+        num_seq_tokens = max(state.num_tokens.values(), default=0)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(sum(state.num_tokens.values()))
+        self.request_max_num_generation_tokens.observe(num_seq_tokens)
+        self.request_params_n.observe(metrics.n)
+        if metrics.max_tokens is not None:
+            self.request_params_max_tokens.observe(metrics.max_tokens)
         finished_time = metrics.finished_time
         if finished_time is not None:
             self._latency["e2e_request_latency"].observe(finished_time - metrics.arrival_time)
@@ -367,13 +446,17 @@ class PrometheusStatLogger:
         first_token, last_token = metrics.first_token_time, metrics.last_token_time
         if first_token is None:
             return  # aborted before its first token: no prefill or decode to time
+        self.request_prefill_kv_computed_tokens.observe(
+            max(num_prompt_tokens - output.num_cached_tokens, 0))
+        decode_end = last_token if last_token is not None else finished_time
         if metrics.first_scheduled_time is not None:
             self._latency["request_prefill_time"].observe(
                 first_token - metrics.first_scheduled_time)
-        decode_end = last_token if last_token is not None else finished_time
+            if decode_end is not None:
+                self._latency["request_inference_time"].observe(
+                    decode_end - metrics.first_scheduled_time)
         if decode_end is not None:
             self._latency["request_decode_time"].observe(decode_end - first_token)
-        num_seq_tokens = max(state.num_tokens.values(), default=0)
         if num_seq_tokens > 1 and last_token is not None:
             self.request_time_per_output_token.observe(
                 (last_token - first_token) / (num_seq_tokens - 1))
@@ -393,3 +476,119 @@ class PrometheusStatLogger:
     def render(self) -> bytes:
         """The text exposition format; serve it with Content-Type `CONTENT_TYPE`."""
         return prometheus_client.generate_latest(self.registry)
+
+
+class LoggingStatLogger:
+    """vLLM's periodic stats line (its V1 `LoggingStatLogger`), one INFO line per interval:
+
+        Engine 000: Avg prompt throughput: 512.3 tokens/s, Avg generation throughput: 88.1
+        tokens/s, Running: 8 reqs, Waiting: 2 reqs, KV cache usage: 41.0%, Prefix cache hit
+        rate: 63.2%
+
+    ("Preemptions: N" joins when the interval had some, and a "SpecDecoding metrics:" line
+    follows when it verified drafts.) Prompt throughput counts prompt tokens computed, as vLLM's
+    does (cache hits excluded). Like vLLM's, an idle interval after an idle one logs at DEBUG, so
+    an idle server writes one idle line and then nothing; unlike vLLM's, requests held (running
+    or waiting) with no throughput still log, since a stuck queue is worth a line.
+
+    Driven only by `record_step`'s `now` (no timer): the first call after `interval_s` has passed
+    since the last line writes the next one, so tests script `now`.
+    """
+
+    HIT_RATE_WINDOW_STEPS = 1000
+    """The prefix cache hit rate covers the last this many steps that looked the cache up (vLLM:
+    its last 1000 requests)."""
+
+    def __init__(self, interval_s: float = 10.0, engine_index: int = 0) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.interval_s = interval_s
+        self.engine_index = engine_index
+        self._lock = threading.Lock()
+        self._last_log_time: float | None = None
+        self._last_stats: SchedulerStats | None = None
+        self._at_last_log: SchedulerStats | None = None
+        """The stats of the step the last line was computed from: interval counts are growths."""
+        self._last_throughputs = (0.0, 0.0)
+        self._hit_window: deque[tuple[int, int]] = deque(maxlen=self.HIT_RATE_WINDOW_STEPS)
+        """(queries, hits) of each recent step that looked the prefix cache up."""
+
+    def record_step(self, stats: SchedulerStats, now: float) -> None:
+        with self._lock:
+            if self._last_log_time is None:  # the first call starts the first interval
+                self._last_log_time, self._at_last_log = now, self._snapshot(stats)
+            previous = self._last_stats
+            queries = _counter_growth(stats.prefix_cache_queries,
+                                      previous.prefix_cache_queries if previous else 0)
+            if queries > 0:
+                hits = _counter_growth(stats.prefix_cache_hits,
+                                       previous.prefix_cache_hits if previous else 0)
+                self._hit_window.append((queries, hits))
+            self._last_stats = self._snapshot(stats)
+            if now - self._last_log_time >= self.interval_s:
+                self._log(now)
+
+    def record_output(self, output: RequestOutput, now: float) -> None:
+        """Nothing per request: the line is made of scheduler counters."""
+
+    @staticmethod
+    def _snapshot(stats: SchedulerStats) -> SchedulerStats:
+        """The counters read later: the engine may reuse or grow its stats objects."""
+        return SchedulerStats(
+            num_running_reqs=stats.num_running_reqs, num_waiting_reqs=stats.num_waiting_reqs,
+            kv_cache_usage=stats.kv_cache_usage, prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits, num_preemptions=stats.num_preemptions,
+            num_prompt_tokens_computed=stats.num_prompt_tokens_computed,
+            num_generation_tokens=stats.num_generation_tokens,
+            spec_decoding=stats.spec_decoding.copy())
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queries = sum(q for q, _ in self._hit_window)
+        return sum(h for _, h in self._hit_window) / queries if queries else 0.0
+
+    def _log(self, now: float) -> None:
+        stats, start = self._last_stats, self._at_last_log
+        elapsed = now - self._last_log_time
+        prompt_throughput = _counter_growth(stats.num_prompt_tokens_computed,
+                                            start.num_prompt_tokens_computed) / elapsed
+        generation_throughput = _counter_growth(stats.num_generation_tokens,
+                                                start.num_generation_tokens) / elapsed
+        num_preemptions = _counter_growth(stats.num_preemptions, start.num_preemptions)
+        idle = not any((prompt_throughput, generation_throughput, *self._last_throughputs,
+                        stats.num_running_reqs, stats.num_waiting_reqs))
+        log = logger.debug if idle else logger.info
+        parts = ["Avg prompt throughput: %.1f tokens/s", "Avg generation throughput: %.1f tokens/s",
+                 "Running: %d reqs", "Waiting: %d reqs"]
+        values: list[float] = [prompt_throughput, generation_throughput,
+                               stats.num_running_reqs, stats.num_waiting_reqs]
+        if num_preemptions > 0:
+            parts.append("Preemptions: %d")
+            values.append(num_preemptions)
+        parts += ["KV cache usage: %.1f%%", "Prefix cache hit rate: %.1f%%"]
+        values += [stats.kv_cache_usage * 100, self.prefix_cache_hit_rate * 100]
+        log(f"Engine {self.engine_index:03d}: " + ", ".join(parts), *values)
+        self._log_spec_decoding(log, stats.spec_decoding, start.spec_decoding, elapsed)
+        self._last_log_time, self._at_last_log = now, stats
+        self._last_throughputs = (prompt_throughput, generation_throughput)
+
+    @staticmethod
+    def _log_spec_decoding(log, now: SpecDecodingStats, start: SpecDecodingStats,
+                           elapsed: float) -> None:
+        """vLLM's SpecDecoding line, over the interval's drafts."""
+        if now.num_drafts < start.num_drafts:
+            start = SpecDecodingStats()  # a new engine's counters
+        num_drafts = now.num_drafts - start.num_drafts
+        if num_drafts == 0:
+            return
+        num_draft_tokens = now.num_draft_tokens - start.num_draft_tokens
+        num_accepted = now.num_accepted_tokens - start.num_accepted_tokens
+        before = start.num_accepted_tokens_per_pos
+        per_pos = [(accepted - (before[pos] if pos < len(before) else 0)) / num_drafts
+                   for pos, accepted in enumerate(now.num_accepted_tokens_per_pos)]
+        log("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f "
+            "tokens/s, Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d "
+            "tokens, Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+            1 + num_accepted / num_drafts, num_accepted / elapsed, num_draft_tokens / elapsed,
+            num_accepted, num_draft_tokens, ", ".join(f"{rate:.3f}" for rate in per_pos),
+            100 * num_accepted / num_draft_tokens if num_draft_tokens else float("nan"))

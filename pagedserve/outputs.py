@@ -47,13 +47,18 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Monotonic-clock timestamps in seconds."""
+    """Monotonic-clock timestamps in seconds, and the request's parameters that the metrics
+    count (metrics.py)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    n: int = 1
+    """Sequences the request asked for (SamplingParams.n)."""
+    max_tokens: int | None = None
+    """Its max_tokens, as the engine runs it (filled in when the request left it out)."""
 
     @property
     def time_to_first_token(self) -> float | None:

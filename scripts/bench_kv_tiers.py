@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 
 COUNTERS = {
-    "prompt tokens computed": "pagedserve:prompt_tokens_total",
-    "prefix cache hits": "pagedserve:prefix_cache_hits_total",
+    "prompt tokens computed": "pagedserve:prompt_tokens_computed_total",
+    "prefix cache hits": "vllm:prefix_cache_hits_total",
     "tier tokens loaded": "pagedserve:kv_tier_loaded_tokens_total",
     "tier hit tokens": "pagedserve:kv_tier_hit_tokens_total",
     "decisions: load": 'pagedserve:kv_tier_decisions_total{decision="load"',

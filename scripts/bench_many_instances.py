@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_kv_tiers import cpu_name, free_port, stop, wait_healthy  # noqa: E402
 
 SERVER_COUNTERS = {
-    "prompt tokens computed": "pagedserve:prompt_tokens_total",
+    "prompt tokens computed": "pagedserve:prompt_tokens_computed_total",
     "P/D tokens loaded": "pagedserve:kv_tier_loaded_tokens_total",
     "P/D fallbacks": "pagedserve:kv_tier_load_fallbacks_total",
 }

@@ -3,7 +3,7 @@
     with ServedProcess(["serve", MODEL_NAME, "--port", str(port), ...], tmp_path / "a.log",
                        f"http://127.0.0.1:{port}") as server:
         httpx.post(server.base_url + "/v1/completions", ...)
-        metric(server.base_url, "pagedserve:prompt_tokens_total")
+        metric(server.base_url, "pagedserve:prompt_tokens_computed_total")
 
 Each process writes its log to a file (not a pipe nobody drains); a failed start raises with the
 log's tail. Leaving the `with` stops the process with SIGTERM (SIGKILL after a timeout) and waits

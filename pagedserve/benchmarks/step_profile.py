@@ -1,15 +1,20 @@
 """Where one engine step's time goes: a table of milliseconds per part of a decode step and of a
 prefill chunk (`pagedserve bench throughput --profile`).
 
-Timing is by wall clock around the parts, which on the CPU is exact (every op finishes before the
-next starts; on CUDA the parts would need a synchronize, so this profile is CPU-only). Parts are
-measured with forward hooks on the model's modules and wrappers on the engine's own stages,
-installed only while profiling:
+Nothing is patched. The engine's own parts come from its event stream (observability/events.py:
+each StepFinished splits the step into schedule, prepare, forward, logits, sample and output, as
+the runner and the engine measured them), and the forward's parts from forward hooks on the
+model's modules, installed only while profiling. Timing is by wall clock, which on the CPU is
+exact (every op finishes before the next starts; on CUDA the parts would need a synchronize, so
+this profile is CPU-only):
 
-    engine step = scheduling + runner (input prep + forward + output head + sampling)
-                  + output processing (detokenize, stop strings)
+    engine step = scheduling + input prep + forward + output head + sampling + output processing
+                  + other (admission, between the stages)
     forward     = embedding + norms + QKV/O projections + rotary + attention + MLP
                   + "other forward" (the Python between modules: views, splits, residuals)
+
+A module's own time excludes its hooked children: the attention block's is the rotary kernel and
+the q/k/v split around it, the MLP's is its activation.
 
 A step of at most FUSED_MAX_TOKENS tokens normally runs its decoder layers in one compiled call
 (models/decoder_stack.py), which hooks cannot see into: the timed steps run the modules instead
@@ -21,24 +26,26 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor.uniproc import UniProcExecutor
+from pagedserve.observability.events import StepFinished
 from pagedserve.sampling_params import SamplingParams
 
-# Module class name -> part; the first match walking up a module's class is used. Modules not
-# listed (decoder layers, the attention block) only contain listed ones.
+OTHER_FORWARD = "other forward (Python between modules)"
+MLP_ACTIVATION = "MLP activation (silu * up)"
+# Module class name -> part. A module's own time excludes its hooked children.
 MODULE_PARTS = {
     "VocabEmbedding": "embedding",
     "RMSNorm": "norms (+ residual add)",
-    "RotaryEmbedding": "rotary",
+    "LlamaAttention": "rotary (+ q/k/v split)",
     "Attention": "attention (KV write + paged attn)",
+    "LlamaMLP": MLP_ACTIVATION,
 }
 # Submodule attribute name -> part, for the linear layers (their class says less than their role).
 LINEAR_PARTS = {
@@ -47,11 +54,18 @@ LINEAR_PARTS = {
     "gate_up_proj": "MLP gate/up projection",
     "down_proj": "MLP down projection",
 }
-MLP_ACTIVATION = "MLP activation (silu * up)"
+# StepFinished field -> part.
+STEP_PARTS = {
+    "schedule_s": "scheduling",
+    "prepare_s": "input prep (runner)",
+    "logits_s": "output head (logits)",
+    "sample_s": "sampling",
+    "output_s": "output processing",
+}
 PART_ORDER = [
     "scheduling", "input prep (runner)", "embedding", "norms (+ residual add)", "QKV projection",
-    "rotary", "attention (KV write + paged attn)", "O projection", "MLP gate/up projection",
-    MLP_ACTIVATION, "MLP down projection", "other forward (Python between modules)",
+    "rotary (+ q/k/v split)", "attention (KV write + paged attn)", "O projection",
+    "MLP gate/up projection", MLP_ACTIVATION, "MLP down projection", OTHER_FORWARD,
     "output head (logits)", "sampling", "output processing", "other runner/engine",
 ]
 
@@ -89,16 +103,6 @@ class _Timer:
             self._stack[-1][2] += elapsed
         return elapsed
 
-    def wrap(self, part: str, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            self.start(part)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.stop()
-
-        return timed
-
 
 def _module_part(name: str, module: torch.nn.Module) -> str | None:
     attribute = name.rsplit(".", 1)[-1]
@@ -108,17 +112,15 @@ def _module_part(name: str, module: torch.nn.Module) -> str | None:
 
 
 @contextmanager
-def _instrumented(engine: LLMEngine, timer: _Timer) -> Iterator[None]:
+def _instrumented(engine: LLMEngine, timer: _Timer, steps: list[StepFinished]) -> Iterator[None]:
+    """Forward hooks on the model's parts, and the engine's StepFinished events into `steps`."""
     if not isinstance(engine.executor, UniProcExecutor):
         raise ValueError("--profile hooks the model in this process: it needs tensor and "
                          "pipeline parallel size 1")
-    runner = engine.executor.worker.model_runner
-    model = runner.model
+    model = engine.executor.worker.model_runner.model
     handles = []
     for name, module in model.named_modules():
-        part = "other forward (Python between modules)" if module is model else _module_part(
-            name, module
-        )
+        part = _module_part(name, module)
         if part is None:
             continue
         handles.append(module.register_forward_pre_hook(
@@ -126,42 +128,34 @@ def _instrumented(engine: LLMEngine, timer: _Timer) -> Iterator[None]:
         ))
         # A forward hook that returns a value replaces the module's output: return None.
         handles.append(module.register_forward_hook(lambda _m, _args, _out: timer.stop() and None))
-    # Methods wrapped on the instances (an instance attribute shadows the class's method).
-    wrapped: list[tuple[Any, str]] = []
-
-    def wrap(obj: Any, method: str, part: str) -> None:
-        setattr(obj, method, timer.wrap(part, getattr(obj, method)))
-        wrapped.append((obj, method))
-
-    wrap(engine.scheduler, "schedule", "scheduling")
-    wrap(engine.scheduler, "update_from_output", "scheduling")
-    wrap(engine.executor.worker.model_runner, "execute_model", "input prep (runner)")
-    wrap(model, "compute_logits", "output head (logits)")
-    wrap(runner, "_sample", "sampling")
-    wrap(engine.output_processor, "process_outputs", "output processing")
-    layers = model.model.layers[model.start_layer : model.end_layer]
-    rotary = layers[0].self_attn.rotary_emb  # one instance shared by the layers
-    wrap(rotary, "rotate_in_place", "rotary")  # the in-place kernel is a method, not forward
-    for layer in layers:
-        wrap(layer.mlp, "act_fn", MLP_ACTIVATION)  # a function call, not a module
+    unsubscribe = engine.events.subscribe(
+        lambda events: steps.extend(e for e in events if isinstance(e, StepFinished)))
     try:
         with _decoder_stack_off(engine):  # the modules run the stack's kernels one by one
             yield
     finally:
+        unsubscribe()
         for handle in handles:
             handle.remove()
-        for obj, method in wrapped:
-            delattr(obj, method)
 
 
 def _timed_steps(engine: LLMEngine, num_steps: int) -> StepTimes:
     timer = _Timer()
-    with _instrumented(engine, timer):
+    steps: list[StepFinished] = []
+    with _instrumented(engine, timer, steps):
         for _ in range(num_steps):
-            timer.start("other runner/engine")
+            start = time.perf_counter()
             engine.step()
-            timer.times.total += timer.stop()
+            timer.times.total += time.perf_counter() - start
             timer.times.num_steps += 1
+    parts = timer.times.parts
+    # The forward's hooked parts came from the hooks; the rest of it is Python between modules.
+    hooked_forward = sum(parts.values())
+    for step in steps:
+        for field_name, part in STEP_PARTS.items():
+            parts[part] += getattr(step, field_name)
+    parts[OTHER_FORWARD] += max(0.0, sum(step.forward_s for step in steps) - hooked_forward)
+    parts["other runner/engine"] += max(0.0, timer.times.total - sum(parts.values()))
     return timer.times
 
 

@@ -130,8 +130,10 @@ class RunnerTimings:
     prepare_s: float = 0.0
     """Inputs: request states, ids and positions, attention metadata."""
     forward_s: float = 0.0
+    logits_s: float = 0.0
+    """The output head (the sampling rows' logits)."""
     sample_s: float = 0.0
-    """The output head, sampling, draft verification and drafting."""
+    """Sampling, draft verification, drafting, prompt logprobs."""
 
 
 @dataclass

@@ -466,6 +466,7 @@ class LLMEngine:
             schedule_s=schedule_s,
             prepare_s=timings.prepare_s if timings else 0.0,
             forward_s=timings.forward_s if timings else 0.0,
+            logits_s=timings.logits_s if timings else 0.0,
             sample_s=timings.sample_s if timings else 0.0,
             output_s=end - executed))
 

@@ -106,7 +106,8 @@ class OutputProcessor:
             prompt_token_ids=prompt_token_ids,
             output_kind=output_kind,
             sequences=sequences,
-            metrics=RequestMetrics(arrival_time=arrival_time),
+            metrics=RequestMetrics(arrival_time=arrival_time, n=len(sequences),
+                                   max_tokens=first_params.max_tokens),
             prompt_logprobs=[None] if first_params.prompt_logprobs is not None else None,
         )
 

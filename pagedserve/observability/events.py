@@ -139,8 +139,9 @@ class RequestFinished:
 class StepFinished:
     """One engine step: what ran and where its time went. `start` is when scheduling began,
     `end` when its outputs were processed. The parts: schedule (scheduler + grammar masks),
-    prepare (the runner's inputs), forward (the model), sample (logits head, sampling,
-    verification, drafting), output (update, detokenize, stop strings); `other` is the rest
+    prepare (the runner's inputs), forward (the model), logits (the output head), sample
+    (sampling, verification, drafting), output (update, detokenize, stop strings); `other` is
+    the rest
     (admission, IPC to worker processes). The runner's parts are 0 when it did not report them
     (a step served by a pipeline)."""
 
@@ -156,6 +157,7 @@ class StepFinished:
     schedule_s: float
     prepare_s: float
     forward_s: float
+    logits_s: float
     sample_s: float
     output_s: float
 
@@ -166,7 +168,7 @@ class StepFinished:
     @property
     def other_s(self) -> float:
         return max(0.0, self.duration_s - self.schedule_s - self.prepare_s - self.forward_s
-                   - self.sample_s - self.output_s)
+                   - self.logits_s - self.sample_s - self.output_s)
 
 
 # ---- from the block pool ------------------------------------------------------------------------

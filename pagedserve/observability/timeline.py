@@ -501,6 +501,7 @@ def _explain(b: _Builder, summary: dict, breakdown: dict | None) -> str:
         text += "; cached " + ", ".join(f"{n} tokens from {source}"
                                         for source, n in cached.items())
     if summary["num_preemptions"]:
-        text += (f"; preempted {summary['num_preemptions']}x, "
-                 f"{summary['num_recomputed_tokens']} tokens recomputed")
+        text += f"; preempted {summary['num_preemptions']}x, "
+        text += ("waiting to resume" if b.state == "preempted"
+                 else f"{summary['num_recomputed_tokens']} tokens recomputed")
     return text

@@ -288,10 +288,13 @@ class ModelRunner:
             end = query_start_loc[i + 1]
             logits_indices.extend(range(end - len(spec_tokens[states[i].req_id]) - 1, end))
         num_rejected: dict[str, int] = {}
+        logits_s = 0.0
         if logits_indices:
+            head_start = time.perf_counter()
             logits = self.model.compute_logits(
                 hidden_states[torch.tensor(logits_indices, device=device)]
             )
+            logits_s = time.perf_counter() - head_start
             if grammar_output is not None:
                 self._apply_grammar_bitmask(
                     logits, [states[i] for i in plain_rows + spec_rows], spec_tokens,
@@ -313,8 +316,8 @@ class ModelRunner:
                 {req_id: self.requests[req_id].token_ids for req_id in output.sampled_token_ids}
             )
         output.kv_connector_output = self._connector_output(wait=False)
-        output.timings = RunnerTimings(prepared - step_start, forwarded - prepared,
-                                       time.perf_counter() - forwarded)
+        output.timings = RunnerTimings(prepared - step_start, forwarded - prepared, logits_s,
+                                       time.perf_counter() - forwarded - logits_s)
         return output
 
     def _connector_output(self, wait: bool):

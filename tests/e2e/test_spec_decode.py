@@ -153,14 +153,14 @@ def test_spec_decode_metrics_appear_and_move(make_llm, tokenizer):
     prompts = doc_qa_prompts(tokenizer, 2)
     try:
         before = scrape()
-        assert before["pagedserve:spec_decode_num_drafts_total"] == 0
+        assert before["vllm:spec_decode_num_drafts_total"] == 0
         history = []
         for prompt in prompts:
             asyncio.run(generate(prompt))
             stats = spec_stats(llm)  # the engine is idle now: final
             # The loop records stats after handing out the step's outputs: wait for that.
             deadline = time.monotonic() + 10
-            while (scrape()["pagedserve:spec_decode_num_drafts_total"] != stats.num_drafts
+            while (scrape()["vllm:spec_decode_num_drafts_total"] != stats.num_drafts
                    and time.monotonic() < deadline):
                 time.sleep(0.01)
             history.append((scrape(), stats))
@@ -168,15 +168,15 @@ def test_spec_decode_metrics_appear_and_move(make_llm, tokenizer):
         asyncio.run(async_llm.shutdown(drain_timeout=0))
     (first, first_stats), (second, second_stats) = history
     for samples, stats in history:
-        assert samples["pagedserve:spec_decode_num_drafts_total"] == stats.num_drafts
-        assert samples["pagedserve:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
-        assert (samples["pagedserve:spec_decode_num_accepted_tokens_total"]
+        assert samples["vllm:spec_decode_num_drafts_total"] == stats.num_drafts
+        assert samples["vllm:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+        assert (samples["vllm:spec_decode_num_accepted_tokens_total"]
                 == stats.num_accepted_tokens)
-        assert [samples[f"pagedserve:spec_decode_num_accepted_tokens_per_pos_total[{pos}]"]
+        assert [samples[f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{pos}]"]
                 for pos in range(4)] == stats.num_accepted_tokens_per_pos
         assert (samples["pagedserve:spec_decode_mean_acceptance_length"]
                 == stats.mean_acceptance_length)
-    assert 0 < first["pagedserve:spec_decode_num_accepted_tokens_total"] < (
-        second["pagedserve:spec_decode_num_accepted_tokens_total"])
-    assert first["pagedserve:spec_decode_num_drafts_total"] < (
-        second["pagedserve:spec_decode_num_drafts_total"])
+    assert 0 < first["vllm:spec_decode_num_accepted_tokens_total"] < (
+        second["vllm:spec_decode_num_accepted_tokens_total"])
+    assert first["vllm:spec_decode_num_drafts_total"] < (
+        second["vllm:spec_decode_num_drafts_total"])

@@ -27,13 +27,13 @@ def num_aborted(server) -> float:
     """Requests that ended with finish_reason "abort", from /metrics."""
     text = httpx.get(server.base_url + "/metrics",
                      headers={"Authorization": f"Bearer {API_KEY}"}).text
-    match = re.search(r'^pagedserve:request_success_total\{[^}]*finished_reason="abort"[^}]*\} '
+    match = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} '
                       r'(\S+)$', text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 
 def metric(text: str, name: str) -> float:
-    match = re.search(rf"^pagedserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    match = re.search(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 

@@ -164,7 +164,7 @@ def test_dp2_gives_the_same_greedy_tokens_as_one_engine(front, reference_texts):
 def test_a_mixed_load_reaches_both_replicas(front):
     def counts() -> dict[str, tuple[float, float]]:
         """Per replica: requests its engine finished, requests the router sent it."""
-        return {label: (metric(front.base_url, "pagedserve:request_success_total", replica=label),
+        return {label: (metric(front.base_url, "vllm:request_success_total", replica=label),
                         metric(front.base_url, "pagedserve_router:requests_total", worker=label))
                 for label in ("0", "1")}
 

@@ -70,7 +70,7 @@ def test_models_version_health_metrics(client, http):
     assert http.get("/health").status_code == 200
     metrics = http.get("/metrics")
     assert metrics.status_code == 200
-    assert "pagedserve:num_requests_running" in metrics.text
+    assert "vllm:num_requests_running" in metrics.text
 
 
 def test_tokenize_detokenize_round_trip(http, tokenizer):

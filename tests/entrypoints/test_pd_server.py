@@ -68,8 +68,8 @@ def wait_until_idle(base_url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         held = [metric(base_url, name) for name in (
-            "pagedserve:num_requests_running", "pagedserve:num_requests_waiting",
-            "pagedserve:kv_cache_usage_perc")]
+            "vllm:num_requests_running", "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc")]
         if held == [0, 0, 0]:
             return
         assert time.monotonic() < deadline, f"{base_url} still holds requests or blocks: {held}"
@@ -80,7 +80,7 @@ def test_pd_answers_like_one_engine_and_decode_computes_one_prompt_token(pd, mak
     from pagedserve.sampling_params import SamplingParams
 
     prefill, decode, router = pd
-    computed_before = metric(decode.base_url, "pagedserve:prompt_tokens_total")
+    computed_before = metric(decode.base_url, "pagedserve:prompt_tokens_computed_total")
     answers = [complete(router.base_url, prompt) for prompt in PROMPTS]
     streamed = httpx.post(router.base_url + "/v1/completions", timeout=120, json={
         "model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -89,7 +89,7 @@ def test_pd_answers_like_one_engine_and_decode_computes_one_prompt_token(pd, mak
 
     # The transfer acted: the decode server loaded all of each prompt but its last token.
     usages = [a["usage"] for a in answers]
-    assert metric(decode.base_url, "pagedserve:prompt_tokens_total") - computed_before == \
+    assert metric(decode.base_url, "pagedserve:prompt_tokens_computed_total") - computed_before == \
         len(PROMPTS) + 1
     # (What it had in its own prefix cache already, the second question's document, it did
     # not load again.)
@@ -134,7 +134,7 @@ def test_client_leaving_mid_transfer_leaves_no_block_held(pd):
             time.sleep(0.05)
     wait_until_idle(decode.base_url)
     wait_until_idle(prefill.base_url)
-    assert metric(decode.base_url, "pagedserve:request_success_total",
+    assert metric(decode.base_url, "vllm:request_success_total",
                   finished_reason="abort") >= 1
     # Both still serve.
     assert complete(router.base_url, "Hello")["usage"]["completion_tokens"] == MAX_TOKENS

@@ -54,7 +54,7 @@ from pagedserve.entrypoints.openai.serving_lora import (
 )
 from pagedserve.entrypoints.openai.debug_routes import MemoryGauges, add_debug_routes
 from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from pagedserve.metrics import PrometheusStatLogger
+from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger
 from pagedserve.models.loader import DEFAULT_MODEL
 from pagedserve.observability.live_stats import LiveStats
 from pagedserve.observability.timeline import DEFAULT_HISTORY as DEFAULT_TIMELINE_HISTORY
@@ -585,12 +585,13 @@ def run_server(args: argparse.Namespace) -> int:
     if args.headless:
         return run_headless(engine_args.create_parallel_config())
     config = ServerConfig.from_cli_args(args)
+    log_stats = [] if args.disable_log_stats else [LoggingStatLogger(args.log_stats_interval)]
     engine = LLMEngine.from_engine_args(engine_args)
     speculative = engine.config.speculative
     stat_logger = PrometheusStatLogger(
         config.served_model_name, max_model_len=engine.config.scheduler.max_model_len,
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else None)
-    async_llm = AsyncLLM(engine, [stat_logger, LiveStats()])
+    async_llm = AsyncLLM(engine, [stat_logger, LiveStats(), *log_stats])
     app = build_app(async_llm, config, stat_logger)
     clean = asyncio.run(serve_app(app, async_llm, config))
     return 0 if clean else 1
@@ -641,6 +642,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                             "e.g. http://localhost:4318/v1/traces (needs pagedserve[otlp])")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic 'Engine 000: Avg prompt throughput ...' log line")
+    group.add_argument("--log-stats-interval", type=float, default=10.0,
+                       help="seconds between those lines (10)")
 
 
 def main(argv: list[str] | None = None) -> int:
