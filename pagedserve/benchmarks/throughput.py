@@ -39,6 +39,7 @@ from pagedserve.core.stats import SpecDecodingStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.observability.timeline import TimelineStore
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.tokenizer import Tokenizer
@@ -71,6 +72,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="with --dataset doc-qa: run each document's first question, then "
                             "the repeats, on an engine without the prefix cache and then on a "
                             "fresh one with it; report each batch and the ratios")
+    group.add_argument("--compare-events", type=int, default=0, metavar="ROUNDS",
+                       help="after the run, run the batch ROUNDS more times with the event "
+                            "stream observed (a timeline store subscribed, as the server does) "
+                            "and as often without, alternating, and print the throughput ratio")
     group.add_argument("--output-json", type=str, default=None, help="write all results here")
     group.add_argument("--profile", action="store_true",
                        help="after the run, break one decode step (batch = --num-prompts) and one "
@@ -388,6 +393,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         del single_llm
         gc.collect()
     ours, our_output_ids = run_pagedserve(llm, workload)
+    events = compare_events(llm, workload, args.compare_events) if args.compare_events else None
     profile_table = None
     if args.profile:
         profiles = profile_steps(
@@ -423,6 +429,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "one_process": one_process,
         "parallel_speedup": None,
         "structured": structured,
+        "events": events,
         "hf": None,
         "output_tokens_per_s_ratio": None,
     }
@@ -452,9 +459,47 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         ratio = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
         result["output_tokens_per_s_ratio"] = ratio
     result["config"]["load_average_1min_end"] = os.getloadavg()[0]
-    _emit(result, format_table(result) + (f"\n{profile_table}" if profile_table else ""),
-          args.output_json)
+    table = format_table(result)
+    if events is not None:
+        table += "\n" + format_events_comparison(events)
+    _emit(result, table + (f"\n{profile_table}" if profile_table else ""), args.output_json)
     return result
+
+
+def compare_events(llm: LLM, workload: Workload, rounds: int) -> dict[str, Any]:
+    """--compare-events: the cost of observing the event stream. Each round runs the batch
+    without a subscriber and with a TimelineStore subscribed (the server's consumer), in
+    alternating order so that neither side always runs first; the ratio is per round."""
+    runs: dict[str, list[float]] = {"off": [], "on": []}
+    ratios, num_identical, num_compared = [], 0, 0
+    for index in range(rounds):
+        round_ids = {}
+        for mode in (("off", "on") if index % 2 == 0 else ("on", "off")):
+            unsubscribe = None
+            if mode == "on":
+                store = TimelineStore()
+                unsubscribe = llm.engine.events.subscribe(store.on_events)
+            metrics, round_ids[mode] = run_pagedserve(llm, workload)
+            if unsubscribe is not None:
+                unsubscribe()
+                assert len(store.recent(1)) == 1, "the timeline store saw no request"
+            runs[mode].append(metrics["output_tokens_per_s"])
+        ratios.append(runs["on"][-1] / runs["off"][-1])
+        num_identical += sum(a == b for a, b in zip(round_ids["off"], round_ids["on"]))
+        num_compared += len(round_ids["off"])
+    ordered = sorted(ratios)
+    return {"rounds": rounds, "output_tokens_per_s_off": runs["off"],
+            "output_tokens_per_s_on": runs["on"], "ratio_on_to_off_per_round": ratios,
+            "median_ratio_on_to_off": ordered[len(ordered) // 2],
+            "num_outputs_identical": num_identical, "num_outputs_compared": num_compared}
+
+
+def format_events_comparison(events: dict[str, Any]) -> str:
+    per_round = ", ".join(f"{ratio:.3f}" for ratio in events["ratio_on_to_off_per_round"])
+    return (f"event stream observed vs not, {events['rounds']} rounds: output tok/s ratio "
+            f"median {events['median_ratio_on_to_off']:.3f} (per round: {per_round}); "
+            f"outputs identical {events['num_outputs_identical']}/"
+            f"{events['num_outputs_compared']}")
 
 
 def _config(

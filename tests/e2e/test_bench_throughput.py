@@ -240,3 +240,15 @@ def test_constrained_rows_are_spread_evenly():
     assert throughput.constrained_rows(3, 1.0) == [True] * 3
     with pytest.raises(ValueError, match="structured-fraction"):
         throughput.constrained_rows(3, 1.5)
+
+
+def test_event_stream_cost_is_measured_in_one_invocation(run_bench, capsys):
+    """--compare-events: the batch with and without a timeline store subscribed, alternating;
+    greedy outputs identical, a ratio per round."""
+    result = run_bench("--num-prompts", "2", "--input-len", "24", "--output-len", "6",
+                       "--compare-events", "2")
+    events = result["events"]
+    assert events["rounds"] == 2 and len(events["ratio_on_to_off_per_round"]) == 2
+    assert all(ratio > 0 for ratio in events["ratio_on_to_off_per_round"])
+    assert events["num_outputs_identical"] == events["num_outputs_compared"] == 4
+    assert "event stream observed vs not, 2 rounds" in capsys.readouterr().out
