@@ -405,6 +405,23 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class ProfilerConfig:
+    """torch.profiler around the engine's steps, started and stopped at run time (vLLM's
+    /start_profile and /stop_profile): every rank writes one Chrome trace per start/stop."""
+
+    trace_dir: str
+    """Absolute directory the traces go to (created at the first start)."""
+    with_stack: bool = False
+    """Record Python stacks too: much larger traces and slower steps while profiling."""
+    record_shapes: bool = True
+    """Record the input shapes of every op."""
+
+    def __post_init__(self) -> None:
+        if not self.trace_dir:
+            raise ValueError("the profiler's trace directory must not be empty")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; each component receives only its own part."""
 
@@ -424,6 +441,8 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     """Allow sleep(level) / wake_up() while idle: free the KV pool (level 1), or the KV pool and
     the weights (level 2), e.g. to lend the memory to another process (vLLM's name)."""
+    profiler: ProfilerConfig | None = None
+    """None: start_profile / stop_profile are refused (no profiler_dir given)."""
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,

@@ -19,6 +19,7 @@ from pagedserve.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    ProfilerConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputConfig,
@@ -33,6 +34,14 @@ def _env_switch(name: str) -> bool:
     """An on/off environment variable: on unless set to "0". Read here only (the edge): the
     engine below gets the decision as config."""
     return os.environ.get(name, "1") != "0"
+
+
+PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
+"""vLLM's (older) way to turn the profiler on; --profiler-dir wins over it."""
+
+
+def _profiler_dir_from_env() -> str | None:
+    return os.environ.get(PROFILER_DIR_ENV) or None
 
 
 def _json_object(value: dict | str, name: str) -> dict:
@@ -150,6 +159,18 @@ class EngineArgs:
     """Adapters kept loaded in host memory (default: max_loras)."""
     enable_sleep_mode: bool = False
     """Allow LLM.sleep(level) / wake_up() (the server: POST /sleep, /wake_up, GET /is_sleeping)."""
+    profiler_dir: str | None = field(default_factory=_profiler_dir_from_env)
+    """Allow LLM.start_profile() / stop_profile() (the server: POST /start_profile,
+    /stop_profile): torch.profiler traces, one per rank, go to this directory. Default:
+    $VLLM_TORCH_PROFILER_DIR, else off."""
+    profiler_with_stack: bool = False
+    """Record Python stacks in the profiler's traces (larger, slower)."""
+
+    def create_profiler_config(self) -> ProfilerConfig | None:
+        if not self.profiler_dir:
+            return None
+        trace_dir = os.path.abspath(os.path.expanduser(self.profiler_dir))
+        return ProfilerConfig(trace_dir=trace_dir, with_stack=self.profiler_with_stack)
 
     def create_lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -203,6 +224,7 @@ class EngineArgs:
             kv_transfer=parse_kv_transfer_config(self.kv_transfer_config),
             lora=self.create_lora_config(),
             enable_sleep_mode=self.enable_sleep_mode,
+            profiler=self.create_profiler_config(),
         )
 
     def create_parallel_config(self) -> ParallelConfig:
@@ -242,6 +264,11 @@ class EngineArgs:
                 parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=f.default)
             elif f.name == "quantization":
                 parser.add_argument(flag, choices=QUANTIZATION_MODES, default=f.default)
+            elif f.name == "profiler_dir":
+                parser.add_argument(flag, type=str, default=f.default_factory(),
+                                    help="write torch.profiler traces here between "
+                                         "/start_profile and /stop_profile (default: "
+                                         f"${PROFILER_DIR_ENV}, else profiling is off)")
             elif f.name == "kv_cache_memory":
                 parser.add_argument(flag, type=str, default=f.default, help="e.g. 512MiB, 4GiB")
             else:

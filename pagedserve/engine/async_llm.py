@@ -154,6 +154,15 @@ class AsyncLLM:
         model); HTTP requests are still answered meanwhile, new generations wait in line."""
         await self._call(lambda: self.engine.update_weights(model_path))
 
+    async def start_profile(self) -> None:
+        """LLMEngine.start_profile, in the engine thread (where the model runs, in one
+        process): ValueError if profiling is off or already running."""
+        await self._call(self.engine.start_profile)
+
+    async def stop_profile(self) -> list[str]:
+        """Stop the profiler; the paths of the traces written, one per rank."""
+        return await self._call(self.engine.stop_profile)
+
     def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Raise ValueError saying what is wrong unless the constraint compiles. Thread-safe and
         off the engine thread: the server checks a request before it is queued."""

@@ -133,6 +133,15 @@ class LLM:
         """Serve the weights of another model file of the same architecture and shape."""
         self.engine.update_weights(model_path)
 
+    def start_profile(self) -> None:
+        """Profile the next generate calls with torch.profiler (vLLM's name); needs
+        LLM(..., profiler_dir=DIR) or VLLM_TORCH_PROFILER_DIR. ValueError if off or running."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stop and write one Chrome trace (.pt.trace.json) per rank; returns their paths."""
+        return self.engine.stop_profile()
+
     def _run_engine(self, request_ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

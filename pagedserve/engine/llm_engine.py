@@ -46,6 +46,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.spec_decode.draft_model import check_same_tokenizer
 from pagedserve.tokenizer import Tokenizer
+from pagedserve.worker.profiler import step_range
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,8 @@ class LLMEngine:
         self.max_batches_in_flight = 0
         """Most steps seen in flight at once (more than one only with pipeline stages)."""
         self._sleep_level = 0
+        self._profiling = False
+        """Between start_profile and stop_profile: steps carry named ranges in the trace."""
 
     def _create_kv_connector(self, options: TieredOptions | None,
                              num_blocks: int) -> TieredConnectorScheduler | None:
@@ -278,7 +281,8 @@ class LLMEngine:
             for request in requests:
                 self.events.emit(RequestQueued(
                     request.request_id, request_id, arrival_time, request.num_prompt_tokens,
-                    request.max_tokens, lora_request.lora_name if adapter else None))
+                    request.max_tokens, lora_request.lora_name if adapter else None,
+                    float(params.temperature), float(params.top_p), params.n))
         if adapter is not None:
             self.lora_registry.acquire(adapter)
             self._request_adapters[request_id] = adapter.lora_int_id
@@ -401,11 +405,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         failed_outputs = self._admit_ready()
         start = time.monotonic()
-        scheduler_output = self._schedule()
+        with step_range("pagedserve::schedule", self._profiling):
+            scheduler_output = self._schedule()
         scheduled = time.monotonic()
-        runner_output = self.executor.execute_model(scheduler_output)
+        with step_range("pagedserve::execute_model", self._profiling):
+            runner_output = self.executor.execute_model(scheduler_output)
         executed = time.monotonic()
-        outputs = failed_outputs + self._update_from_output(scheduler_output, runner_output)
+        with step_range("pagedserve::update", self._profiling):
+            outputs = failed_outputs + self._update_from_output(scheduler_output, runner_output)
         if self.events.enabled and not scheduler_output.is_empty:
             self._emit_step(scheduler_output, runner_output, start, scheduled - start, executed)
         self.events.publish()
@@ -420,7 +427,8 @@ class LLMEngine:
         queue = self._batch_queue
         if len(queue) < self.executor.max_concurrent_batches:
             start = time.monotonic()
-            scheduler_output = self._schedule()
+            with step_range("pagedserve::schedule", self._profiling):
+                scheduler_output = self._schedule()
             schedule_s = time.monotonic() - start
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids or not queue:
                 queue.append((scheduler_output, self.executor.submit(scheduler_output),
@@ -430,9 +438,11 @@ class LLMEngine:
                 self.events.publish()
                 return failed_outputs  # fill the pipeline before waiting on its oldest batch
         scheduler_output, future, start, schedule_s = queue.popleft()
-        runner_output = future.result()
+        with step_range("pagedserve::execute_model", self._profiling):
+            runner_output = future.result()
         executed = time.monotonic()
-        outputs = failed_outputs + self._update_from_output(scheduler_output, runner_output)
+        with step_range("pagedserve::update", self._profiling):
+            outputs = failed_outputs + self._update_from_output(scheduler_output, runner_output)
         if self.events.enabled and not scheduler_output.is_empty:
             self._emit_step(scheduler_output, runner_output, start, schedule_s, executed)
         self.events.publish()
@@ -675,6 +685,35 @@ class LLMEngine:
     def _forget_prefix_cache(self) -> None:
         reset = self.reset_prefix_cache()
         assert reset, "an idle engine's prefix cache held blocks"  # the caller checked idle
+
+    # ---- the profiler (vLLM's start_profile / stop_profile) -----------------------------------
+
+    @property
+    def is_profiling(self) -> bool:
+        return self._profiling
+
+    def start_profile(self) -> None:
+        """Start torch.profiler on every rank, on the thread that runs its steps (call this on
+        the thread that calls step()). ValueError if profiling is off (no profiler_dir) or
+        already running; requests may be in flight."""
+        if self.config.profiler is None:
+            raise ValueError("profiling is off: start the engine with profiler_dir "
+                             "(--profiler-dir DIR, or VLLM_TORCH_PROFILER_DIR=DIR)")
+        if self._profiling:
+            raise ValueError("the profiler is already running: stop it first (stop_profile)")
+        self.executor.start_profile()
+        self._profiling = True
+        logger.info("profiling; traces go to %s", self.config.profiler.trace_dir)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profiler and write one Chrome trace per rank; returns their paths, by rank.
+        ValueError if it is not running."""
+        if not self._profiling:
+            raise ValueError("the profiler is not running: start it first (start_profile)")
+        self._profiling = False
+        paths = self.executor.stop_profile()
+        logger.info("profiler traces written: %s", ", ".join(paths))
+        return paths
 
     def shutdown(self) -> None:
         """Stop the workers (their processes, with more than one rank); safe to call twice."""

@@ -80,6 +80,17 @@ class Executor(abc.ABC):
     def remove_lora(self, lora_int_id: int) -> None:
         """Drop an adapter no request uses from every worker."""
 
+    # ---- the profiler: every rank, on the thread that runs its steps ------------------------
+
+    def start_profile(self) -> None:
+        """Start torch.profiler on every rank; ValueError (no rank left profiling) if a rank
+        cannot."""
+        raise NotImplementedError(f"{type(self).__name__} cannot profile")
+
+    def stop_profile(self) -> list[str]:
+        """Stop it and write each rank's Chrome trace; their paths, by rank."""
+        raise NotImplementedError(f"{type(self).__name__} cannot profile")
+
     @abc.abstractmethod
     def memory_report(self) -> list[dict]:
         """Each rank's Worker.memory_report(), by rank."""

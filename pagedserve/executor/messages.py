@@ -72,6 +72,27 @@ class RemoveLoRA:
 
 
 @dataclass
+class StartProfile:
+    """Start torch.profiler on the rank's main thread. Every rank replies: None, or the error's
+    message (the worker keeps serving)."""
+
+
+@dataclass
+class StopProfile:
+    """Stop it; export: write the trace (False: drop it). Every rank replies
+    ProfileReply."""
+
+    export: bool = True
+
+
+@dataclass
+class ProfileReply:
+    path: str | None = None
+    """The trace written (None: dropped, or the stop failed)."""
+    error: str | None = None
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -107,13 +128,13 @@ class WorkerFailure:
 
 
 for _cls in (Hello, InitWorker, DetermineNumKVBlocks, InitializeKVCache, ExecuteModel, CheckIdle,
-             MemoryReport,
-             AddLoRA, RemoveLoRA, Shutdown, Sleep, WakeUp, UpdateWeights, WorkerReply,
-             WorkerFailure, config_module.EngineConfig,
+             MemoryReport, AddLoRA, RemoveLoRA, StartProfile, StopProfile, ProfileReply, Shutdown,
+             Sleep, WakeUp, UpdateWeights, WorkerReply, WorkerFailure, config_module.EngineConfig,
              config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
              config_module.DeviceConfig, config_module.SpeculativeConfig,
              config_module.StructuredOutputConfig, config_module.ParallelConfig,
-             config_module.KVTransferConfig, config_module.LoRAConfig):
+             config_module.KVTransferConfig, config_module.LoRAConfig,
+             config_module.ProfilerConfig):
     serialization.register(_cls)
 
 _HEADER = struct.Struct(">I")

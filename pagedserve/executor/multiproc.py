@@ -166,6 +166,23 @@ class MultiprocExecutor(Executor):
     def remove_lora(self, lora_int_id: int) -> None:
         self._call(messages.RemoveLoRA(lora_int_id), self._all_ranks).result()
 
+    def start_profile(self) -> None:
+        # Each rank starts between its steps, on its main thread (messages run in order).
+        replies = self._call(messages.StartProfile(), self._all_ranks).result()
+        errors = [f"rank {rank}: {error}" for rank, error in sorted(replies.items())
+                  if error is not None]
+        if errors:
+            self._call(messages.StopProfile(export=False), self._all_ranks).result()  # the others
+            raise ValueError("cannot start the profiler: " + "; ".join(errors))
+
+    def stop_profile(self) -> list[str]:
+        replies = self._call(messages.StopProfile(), self._all_ranks).result()
+        errors = [f"rank {rank}: {reply.error}" for rank, reply in sorted(replies.items())
+                  if reply.error is not None]
+        if errors:
+            raise ValueError("cannot stop the profiler: " + "; ".join(errors))
+        return [reply.path for _, reply in sorted(replies.items())]
+
     def sleep(self, level: int) -> None:
         self._call(messages.Sleep(level), self._all_ranks).result()
 

@@ -51,6 +51,12 @@ class UniProcExecutor(Executor):
     def memory_report(self) -> list[dict]:
         return [self.worker.memory_report()]
 
+    def start_profile(self) -> None:
+        self.worker.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return [self.worker.stop_profile()]
+
     def check_idle(self) -> list[str]:
         return self.worker.check_idle()
 

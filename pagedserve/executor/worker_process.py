@@ -81,6 +81,18 @@ def _handle(worker: Worker, message) -> messages.WorkerReply | None:
         except ValueError as error:
             return messages.WorkerReply(str(error))
         return messages.WorkerReply()
+    if isinstance(message, messages.StartProfile):
+        try:
+            worker.start_profile()
+        except ValueError as error:  # a busy profiler, an unwritable directory
+            return messages.WorkerReply(str(error))
+        return messages.WorkerReply()
+    if isinstance(message, messages.StopProfile):
+        try:
+            path = worker.stop_profile(message.export)
+        except ValueError as error:
+            return messages.WorkerReply(messages.ProfileReply(error=str(error)))
+        return messages.WorkerReply(messages.ProfileReply(path=path))
     if isinstance(message, messages.RemoveLoRA):
         worker.remove_lora(message.lora_int_id)
         return messages.WorkerReply()

@@ -35,6 +35,11 @@ class RequestQueued:
     num_prompt_tokens: int
     max_tokens: int
     lora_name: str | None = None
+    temperature: float | None = None
+    """The request's sampling parameters (the tracer's gen_ai.request.* attributes)."""
+    top_p: float | None = None
+    n: int = 1
+    """Sequences of the request (each has its own req_id)."""
 
 
 @dataclass(frozen=True, slots=True)

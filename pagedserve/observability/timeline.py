@@ -86,6 +86,8 @@ class _Builder:
     num_prompt_tokens: int
     max_tokens: int
     lora_name: str | None
+    sampling: dict | None = None
+    """What was asked for: temperature, top_p, n."""
     admission: AdmissionWaited | None = None
     spans: list[_StepSpan] = field(default_factory=list)
     open_decode: _StepSpan | None = None
@@ -156,7 +158,9 @@ class TimelineStore:
     def _queued(self, event: RequestQueued) -> None:
         self._live[event.req_id] = _Builder(event.req_id, event.parent_id, event.time,
                                             event.num_prompt_tokens, event.max_tokens,
-                                            event.lora_name)
+                                            event.lora_name,
+                                            {"temperature": event.temperature,
+                                             "top_p": event.top_p, "n": event.n})
         self._sequences.setdefault(event.parent_id, []).append(event.req_id)
 
     def _admitted(self, event: AdmissionWaited) -> None:
@@ -386,6 +390,7 @@ class TimelineStore:
             "num_prompt_tokens": b.num_prompt_tokens,
             "num_output_tokens": b.num_output_tokens,
             "max_tokens": b.max_tokens,
+            "sampling": b.sampling,
             "summary": self._summary(b, first_start),
             "segments": segments,
             "events": events,

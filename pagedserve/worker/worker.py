@@ -27,6 +27,7 @@ from pagedserve.lora.worker_manager import WorkerLoRAManager
 from pagedserve.models.loader import load_model
 from pagedserve.observability import memory
 from pagedserve.worker.model_runner import DTYPES, ModelRunner
+from pagedserve.worker.profiler import StepProfiler, step_range
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class Worker:
         """The weights' file: update_weights changes it, a level-2 wake_up reloads from it."""
         self.sleep_level = 0
         """0: awake; 1: KV cache freed; 2: KV cache and weights freed (see sleep)."""
+        self.profiler = (StepProfiler(config.profiler, rank, self.device)
+                         if config.profiler is not None else None)
 
     # ---- start-up ---------------------------------------------------------------------------
 
@@ -194,8 +197,29 @@ class Worker:
                 and parallel_state.get_pp_group().is_last_rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        output = self.model_runner.execute_model(scheduler_output)
+        with step_range("pagedserve::worker.execute_model", self.is_profiling):
+            output = self.model_runner.execute_model(scheduler_output)
         return output if self.is_output_rank else None
+
+    # ---- the profiler (on the thread that runs the steps) -----------------------------------
+
+    @property
+    def is_profiling(self) -> bool:
+        return self.profiler is not None and self.profiler.is_active
+
+    def start_profile(self) -> None:
+        """ValueError if the engine has no profiler_dir or this rank profiles already."""
+        self._profiler().start()
+
+    def stop_profile(self, export: bool = True) -> str | None:
+        """Stop and write this rank's trace; returns its path (None: dropped, export=False)."""
+        return self._profiler().stop(export)
+
+    def _profiler(self) -> StepProfiler:
+        if self.profiler is None:
+            raise ValueError("profiling is off: start the engine with profiler_dir "
+                             "(--profiler-dir or VLLM_TORCH_PROFILER_DIR)")
+        return self.profiler
 
     # ---- sleep mode and weight reload (the engine calls these only while idle) ---------------
 
@@ -274,6 +298,9 @@ class Worker:
         return problems
 
     def shutdown(self) -> None:
+        if self.is_profiling:
+            logger.warning("rank %d: shut down while profiling; the trace is dropped", self.rank)
+            self.profiler.stop(export=False)
         if self.model_runner is not None and self.model_runner.kv_connector is not None:
             self.model_runner.kv_connector.shutdown()  # writes the saves still queued
             self.model_runner.kv_connector = None

@@ -65,7 +65,7 @@ def test_chunked_prefill_and_a_prefix_hit_emit_exact_events(make_llm):
     # StepFinished: step, requests, prefill requests, decode requests, prefill tokens, decode
     # tokens, preempted.
     assert recorder.events == [
-        ("RequestQueued", "a", "a", 40, 2, None),
+        ("RequestQueued", "a", "a", 40, 2, None, 1),
         ("BlocksStored", ("h0", "h1")),
         ("RequestScheduled", "a", 0, 32, 0, "prefill", 0),
         ("StepFinished", 0, 1, 1, 0, 32, 0, 0),
@@ -76,7 +76,7 @@ def test_chunked_prefill_and_a_prefix_hit_emit_exact_events(make_llm):
         ("TokensGenerated", "a", 2, 1, False),
         ("RequestFinished", "a", "length", 2),
         ("StepFinished", 2, 1, 0, 1, 0, 1, 0),
-        ("RequestQueued", "b", "b", 40, 2, None),
+        ("RequestQueued", "b", "b", 40, 2, None, 1),
         ("PrefixHit", "b", 3, 32, "device"),
         ("RequestScheduled", "b", 3, 8, 32, "prefill", 0),
         ("TokensGenerated", "b", 3, 1, True),
@@ -113,7 +113,7 @@ def test_a_preemption_emits_preempted_then_resumed(make_llm):
                 and not (e[0] == "RequestScheduled" and e[5] == "decode")]
 
     assert story("d") == [
-        ("RequestQueued", "d", "d", 30, 30, None),
+        ("RequestQueued", "d", "d", 30, 30, None, 1),
         ("RequestScheduled", "d", 0, 2, 0, "prefill", 0),  # c took 30 of the 32 tokens
         ("RequestScheduled", "d", 1, 28, 2, "prefill", 0),
         ("RequestPreempted", "d", 4, 32),
@@ -124,7 +124,7 @@ def test_a_preemption_emits_preempted_then_resumed(make_llm):
         ("RequestFinished", "d", "length", 30),
     ]
     assert story("c") == [
-        ("RequestQueued", "c", "c", 30, 30, None),
+        ("RequestQueued", "c", "c", 30, 30, None, 1),
         ("RequestScheduled", "c", 0, 30, 0, "prefill", 0),
         ("RequestFinished", "c", "length", 30),
     ]

@@ -41,6 +41,10 @@ from pagedserve.entrypoints.openai.errors import (
     from_validation_error,
 )
 from pagedserve.entrypoints.openai.generation import EventStream
+from pagedserve.entrypoints.openai.observability_routes import (
+    add_profiler_routes,
+    attach_request_tracer,
+)
 from pagedserve.entrypoints.openai.serving import OpenAIServing
 from pagedserve.entrypoints.openai.serving_lora import (
     LoRAModule,
@@ -93,6 +97,8 @@ class ServerConfig:
     """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
     timeline_history: int = DEFAULT_TIMELINE_HISTORY
     """Finished requests whose timelines GET /v1/requests/{id}/timeline still answers."""
+    otlp_traces_endpoint: str | None = None
+    """Export an OpenTelemetry span per finished request here (OTLP/HTTP protobuf)."""
 
     def __post_init__(self) -> None:
         if self.max_num_waiting < 0:
@@ -108,6 +114,10 @@ class ServerConfig:
         if self.enable_lora_runtime_updates and self.lora_dir is None:
             raise ValueError("--enable-lora-runtime-updates needs --lora-dir: the one directory "
                              "adapters may be loaded from at run time")
+        if self.otlp_traces_endpoint is not None:
+            from pagedserve.observability.tracing import check_endpoint
+
+            check_endpoint(self.otlp_traces_endpoint)  # before the model loads
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
@@ -125,6 +135,7 @@ class ServerConfig:
             enable_lora_runtime_updates=(args.enable_lora_runtime_updates
                                          or runtime_updates_from_env()),
             timeline_history=args.timeline_history,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
 
 
@@ -382,6 +393,10 @@ def build_app(
     _add_lifecycle_routes(app, async_llm, read_request)
     add_dashboard_routes(app, async_llm)  # its LiveStats: the one among async_llm.stat_loggers
     add_debug_routes(app, async_llm, timelines)
+    add_profiler_routes(app, async_llm)
+    app.state.tracer = (attach_request_tracer(timelines, config.otlp_traces_endpoint,
+                                              config.served_model_name)
+                        if config.otlp_traces_endpoint else None)
     return app
 
 
@@ -547,6 +562,8 @@ async def serve_app(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> 
             # Forced exit (or a failed start): abort everything and stop the engine thread.
             state.draining = True
             await async_llm.shutdown(drain_timeout=0)
+        if app.state.tracer is not None:  # every request has finished: export their spans
+            await asyncio.to_thread(app.state.tracer.shutdown)
     return not server.force_exit and not async_llm.errored
 
 
@@ -620,6 +637,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timeline-history", type=int, default=ServerConfig.timeline_history,
                        help="finished requests whose timelines GET /v1/requests/{id}/timeline "
                             "keeps (a ring; live requests are always kept)")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export an OpenTelemetry span per finished request over OTLP/HTTP, "
+                            "e.g. http://localhost:4318/v1/traces (needs pagedserve[otlp])")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
     group.add_argument("--disable-log-stats", action="store_true",
