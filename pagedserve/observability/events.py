@@ -15,6 +15,7 @@ Times are time.monotonic() seconds, the clock of RequestTimes. Plain data, no to
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -203,6 +204,9 @@ class EventBus:
         self._subscribers: list[Subscriber] = []
         self._pending: list[Event] = []
         self.enabled = False
+        self.publish_seconds = 0.0
+        """Time spent in subscribers, in total (what observing costs beyond emitting)."""
+        self.num_published = 0
 
     def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """Call `subscriber(events)` after every step that emitted some; returns the
@@ -229,6 +233,8 @@ class EventBus:
         if not self._pending:
             return
         events, self._pending = self._pending, []
+        start = time.perf_counter()
+        self.num_published += len(events)
         for subscriber in list(self._subscribers):
             try:
                 subscriber(events)
@@ -236,6 +242,7 @@ class EventBus:
                 logger.exception("event subscriber %r failed; unsubscribed", subscriber)
                 self._subscribers.remove(subscriber)
                 self.enabled = bool(self._subscribers)
+        self.publish_seconds += time.perf_counter() - start
 
     @property
     def num_pending(self) -> int:

@@ -251,4 +251,6 @@ def test_event_stream_cost_is_measured_in_one_invocation(run_bench, capsys):
     assert events["rounds"] == 2 and len(events["ratio_on_to_off_per_round"]) == 2
     assert all(ratio > 0 for ratio in events["ratio_on_to_off_per_round"])
     assert events["num_outputs_identical"] == events["num_outputs_compared"] == 4
+    assert events["num_events"] > 0 and events["subscriber_seconds"] > 0
+    assert 0 < events["measured_cost_share"] < 1
     assert "event stream observed vs not, 2 rounds" in capsys.readouterr().out
