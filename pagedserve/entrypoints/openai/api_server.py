@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -593,6 +594,12 @@ def run_server(args: argparse.Namespace) -> int:
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else None)
     async_llm = AsyncLLM(engine, [stat_logger, LiveStats(), *log_stats])
     app = build_app(async_llm, config, stat_logger)
+    # As vLLM does: the hundreds of thousands of objects alive after start-up (the model's
+    # modules, the tokenizer) live as long as the server, so take them out of the cyclic
+    # collector's full passes, which each step's short-lived objects would otherwise trigger
+    # over and over (measured: about 2% of a batch-1 decode step).
+    gc.collect()
+    gc.freeze()
     clean = asyncio.run(serve_app(app, async_llm, config))
     return 0 if clean else 1
 
