@@ -18,13 +18,14 @@ from collections.abc import Set as AbstractSet
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from pagedserve.entrypoints.openai.auth import ApiKeyGate
 from pagedserve.entrypoints.openai.errors import APIError, add_exception_handlers, bad_request
@@ -368,6 +369,24 @@ class Router:
                                 media_type=response.headers.get("content-type"))
         raise _no_healthy_worker(self.serving_role)
 
+    async def get_from_each(self, path: str, headers: dict[str, str]
+                            ) -> list[tuple[Worker, httpx.Response]]:
+        """GET `path` from every healthy worker serving clients, at once; the answers of those
+        that answered (a worker's timelines and memory are its own)."""
+        assert self._client is not None
+        workers = [w for w in self._workers.values()
+                   if w.healthy and w.role == self.serving_role]
+
+        async def get(worker: Worker) -> httpx.Response | None:
+            try:
+                return await self._client.get(worker.url + path, headers=headers,
+                                              timeout=self.config.health_check_timeout_s)
+            except httpx.TransportError:
+                return None
+
+        responses = await asyncio.gather(*(get(worker) for worker in workers))
+        return [(w, r) for w, r in zip(workers, responses) if r is not None]
+
     async def render_metrics(self) -> bytes:
         """The router's metrics, plus, with worker_metrics_label, every healthy worker's."""
         text = self.metrics.render()
@@ -498,6 +517,34 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(await router.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    # Each worker keeps its own requests' timelines: ask them all, label what comes back.
+    @app.get("/v1/requests/{request_id}/timeline")
+    async def request_timeline(request: Request, request_id: str) -> JSONResponse:
+        path = f"/v1/requests/{quote(request_id, safe='')}/timeline"
+        for worker, response in await router.get_from_each(path, _forwarded_headers(request)):
+            if response.status_code == 200:
+                return JSONResponse({**response.json(), "worker": worker.label})
+        raise APIError(404, f"no worker holds a timeline for request {request_id!r}",
+                       code="request_not_found")
+
+    @app.get("/v1/requests")
+    async def list_requests(request: Request, limit: int = 50) -> JSONResponse:
+        if limit < 1:
+            raise bad_request(f"limit must be >= 1, got {limit}", "limit")
+        answers = await router.get_from_each(f"/v1/requests?limit={limit}",
+                                             _forwarded_headers(request))
+        timelines = [{**timeline, "worker": worker.label} for worker, response in answers
+                     if response.status_code == 200 for timeline in response.json()["data"]]
+        timelines.sort(key=lambda timeline: timeline["arrival_time"], reverse=True)
+        return JSONResponse({"object": "list", "data": timelines[:limit]})
+
+    @app.get("/debug/memory")
+    async def debug_memory(request: Request) -> JSONResponse:
+        answers = await router.get_from_each("/debug/memory", _forwarded_headers(request))
+        return JSONResponse({"object": "list", "data": [
+            {**response.json(), "worker": worker.label} for worker, response in answers
+            if response.status_code == 200]})
 
     return app
 

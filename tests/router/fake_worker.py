@@ -103,6 +103,8 @@ class FakeWorker:
         """GET /load's JSON; None: 404, like a server without /load."""
         self.metrics_text: str | None = None
         """GET /metrics's text; None: 404."""
+        self.timelines: dict[str, dict] = {}
+        """Request id -> what GET /v1/requests/{id}/timeline answers (and /v1/requests lists)."""
         # what it saw
         self.requests: list[ReceivedRequest] = []
         self.num_disconnects = 0
@@ -147,6 +149,20 @@ class FakeWorker:
             if self.metrics_text is None:
                 return JSONResponse({"detail": "Not Found"}, status_code=404)
             return PlainTextResponse(self.metrics_text)
+
+        @app.get("/v1/requests/{request_id}/timeline")
+        async def timeline(request_id: str) -> Response:
+            if request_id not in self.timelines:
+                return JSONResponse({"error": {"message": "no timeline"}}, status_code=404)
+            return JSONResponse(self.timelines[request_id])
+
+        @app.get("/v1/requests")
+        async def recent_requests(limit: int = 50) -> dict:
+            return {"object": "list", "data": list(self.timelines.values())[:limit]}
+
+        @app.get("/debug/memory")
+        async def memory() -> dict:
+            return {"object": "memory.breakdown", "components": {"kv_pool": self.port}}
 
         @app.get("/v1/models")
         async def models() -> dict:

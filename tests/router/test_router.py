@@ -391,6 +391,27 @@ def test_models_come_from_a_healthy_worker(start_worker, start_router):
     assert router.client.get("/v1/models").json()["data"][0]["owned_by"] == "b"
 
 
+def test_timelines_are_found_on_whichever_worker_holds_them(start_worker, start_router):
+    a, b = start_worker("a"), start_worker("b")
+    a.timelines = {"cmpl-1": {"request_id": "cmpl-1", "arrival_time": 10.0}}
+    b.timelines = {"cmpl-2": {"request_id": "cmpl-2", "arrival_time": 20.0},
+                   "cmpl-3": {"request_id": "cmpl-3", "arrival_time": 5.0}}
+    router = start_router([a, b], labels=["ra", "rb"])
+    for request_id, label in (("cmpl-1", "ra"), ("cmpl-2", "rb")):
+        response = router.client.get(f"/v1/requests/{request_id}/timeline")
+        assert response.status_code == 200
+        assert response.json() == {"request_id": request_id, "worker": label,
+                                   "arrival_time": response.json()["arrival_time"]}
+    missing = router.client.get("/v1/requests/cmpl-9/timeline")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+    listed = router.client.get("/v1/requests", params={"limit": 2}).json()["data"]
+    assert [(t["request_id"], t["worker"]) for t in listed] == [("cmpl-2", "rb"),
+                                                                ("cmpl-1", "ra")]
+    memory = router.client.get("/debug/memory").json()["data"]
+    assert sorted((m["worker"], m["components"]["kv_pool"]) for m in memory) == [
+        ("ra", a.port), ("rb", b.port)]
+
+
 # ---- metrics ----
 
 WORKER_METRICS = """# HELP fake_requests_total Requests.
