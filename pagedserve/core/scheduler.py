@@ -355,8 +355,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_loaded
             request.num_tier_cached_tokens = num_loaded
+            sources = self.connector.load_sources(req_id, num_loaded)
             if num_loaded and self.events.enabled:
-                self.events.emit(PrefixHit(req_id, self.step_index, num_loaded, "kv_tier"))
+                for source, num_tokens in sources.items():
+                    self.events.emit(PrefixHit(req_id, self.step_index, num_tokens, source))
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)

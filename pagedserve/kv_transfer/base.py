@@ -157,6 +157,11 @@ class KVConnectorScheduler(ABC):
     def record_load_result(self, num_loaded_tokens: int, num_failed_tokens: int) -> None:
         """A load job ended with these tokens in place and these left to recompute."""
 
+    def load_sources(self, request_id: str, num_tokens: int) -> dict[str, int]:
+        """Where the first `num_tokens` tokens of the request's finished load came from: source
+        name -> tokens (the scheduler's PrefixHit events name them). Called once per load."""
+        return {"kv_tier": num_tokens}
+
     def request_finished(self, request: Request) -> bool:
         """The request finished or was preempted. True: its blocks are still being read and must
         not be freed yet (the tier connectors copy at step end, so never)."""

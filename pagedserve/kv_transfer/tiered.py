@@ -297,6 +297,8 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         self.block_size = config.cache.block_size
         self.stores = open_stores(config, options)
         self.tier_names = [store.name for store in self.stores]
+        self._load_tiers: dict[str, list[str]] = {}
+        """Request id -> the tier of each block its load in flight reads."""
         self.key_prefix = f"pskv1:{model_identity(config)}"
         self.stats = KVTierStats(tiers={name: TierCounters() for name in self.tier_names})
         tier_costs = [TierCost(self._probe_seconds_per_block(store, bytes_per_block),
@@ -435,6 +437,7 @@ class TieredConnectorScheduler(KVConnectorScheduler):
         assert num_external_tokens == lookup.num_tokens
         for i, block in enumerate(blocks):
             block.block_id = block_ids[first + i]
+        self._load_tiers[request.request_id] = [self.tier_names[tier] for tier in tiers]
         self._pending_loads.append(LoadJob(request.request_id, blocks, tiers))
 
     # ---- each step ----------------------------------------------------------------------------
@@ -503,7 +506,18 @@ class TieredConnectorScheduler(KVConnectorScheduler):
     def get_stats(self) -> KVTierStats:
         return copy.deepcopy(self.stats)
 
+    def load_sources(self, request_id: str, num_tokens: int) -> dict[str, int]:
+        """By tier, block by block in load order (the last may be a partial tail block)."""
+        sources: dict[str, int] = {}
+        for name in self._load_tiers.pop(request_id, []):
+            if num_tokens <= 0:
+                break
+            sources[name] = sources.get(name, 0) + min(self.block_size, num_tokens)
+            num_tokens -= self.block_size
+        return sources
+
     def request_finished(self, request: Request) -> bool:
+        self._load_tiers.pop(request.request_id, None)
         self._num_saved_blocks.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         self._tails_saved.discard(request.request_id)

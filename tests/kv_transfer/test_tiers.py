@@ -84,7 +84,11 @@ def test_evicted_document_is_loaded_back_from_disk(make_llm, reference, tmp_path
 def test_usage_splits_cached_tokens_into_device_and_tier(make_llm, tmp_path):
     from pagedserve.sampling_params import SamplingParams
 
+    from pagedserve.observability.timeline import TimelineStore
+
     llm = make_llm(kv_transfer_config=disk_config(tmp_path))
+    timelines = TimelineStore()
+    llm.engine.events.subscribe(timelines.on_events)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     llm.generate(doc_prompts()[:1], params)
     device_hit = llm.generate(doc_prompts()[1:2], params)[0]
@@ -93,6 +97,10 @@ def test_usage_splits_cached_tokens_into_device_and_tier(make_llm, tmp_path):
     tier_hit = llm.generate(doc_prompts()[2:3], params)[0]
     assert tier_hit.num_tier_cached_tokens > 0
     assert tier_hit.num_cached_tokens == tier_hit.num_tier_cached_tokens
+    # The timelines name the source of each hit: the device pool, then the disk tier.
+    cached = {t["request_id"]: t["summary"]["cached_tokens"] for t in timelines.recent(3)}
+    assert cached[device_hit.request_id] == {"device": device_hit.num_cached_tokens}
+    assert cached[tier_hit.request_id] == {"disk": tier_hit.num_tier_cached_tokens}
 
 
 def test_preempted_requests_come_back_from_the_tier(make_llm, reference, tmp_path):
