@@ -3,27 +3,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh test
-# The Redis store's tests start their own redis-server. Install it where missing (Debian/Ubuntu,
-# as root or with password-less sudo); if that fails, those tests skip and say why.
-if ! command -v redis-server >/dev/null 2>&1; then
-    sudo=()
+
+# Real components some tests start on their own (redis-server for the Redis store, headless
+# Chromium for the dashboard): install the OS packages where missing (Debian/Ubuntu, as root or
+# with password-less sudo); if that fails, those tests skip and say why.
+# Usage: install_missing "COMMAND..." "PACKAGE..." "WHO NEEDS IT"
+install_missing() {
+    local command missing=0
+    for command in $1; do command -v "$command" >/dev/null 2>&1 || missing=1; done
+    [ "$missing" = 1 ] || return 0
+    local sudo=()
     [ "$(id -u)" = 0 ] || sudo=(sudo -n)
-    if ! { command -v apt-get >/dev/null 2>&1 &&
-           timeout 600 "${sudo[@]}" apt-get update -qq &&
-           timeout 600 "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
-               apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }; then
-        echo "warning: could not install redis-server; the Redis store tests will skip" >&2
-    fi
-fi
-# The dashboard's browser test drives headless Chromium; same pattern: skips (saying why) if absent.
-if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
-    sudo=()
-    [ "$(id -u)" = 0 ] || sudo=(sudo -n)
+    # shellcheck disable=SC2086  # $2 is a list of package names
     if ! { command -v apt-get >/dev/null 2>&1 &&
            timeout 600 "${sudo[@]}" apt-get update -qq &&
            timeout 900 "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
-               apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }; then
-        echo "warning: could not install chromium; the dashboard browser test will skip" >&2
+               apt-get install -y -qq --no-install-recommends $2 >/dev/null; }; then
+        echo "warning: could not install $2; $3 will skip" >&2
     fi
-fi
+}
+install_missing "redis-server" "redis-server" "the Redis store tests"
+install_missing "chromium chromedriver" "chromium chromium-driver" "the dashboard's browser test"
 exec .venv/bin/python -m pytest -q "$@"
