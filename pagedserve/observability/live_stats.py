@@ -16,6 +16,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from pagedserve.core.stats import SchedulerStats
+from pagedserve.observability.timeline import nearest_rank_percentile
 from pagedserve.outputs import RequestOutput
 
 _COUNTERS = {
@@ -153,7 +154,7 @@ class LiveStats:
                 samples.popleft()
             ordered = sorted(value for _, value in samples)
             for label, q in _QUANTILES:
-                point[f"{name}_{label}_s"] = (round(_percentile(ordered, q), 6)
+                point[f"{name}_{label}_s"] = (round(nearest_rank_percentile(ordered, q), 6)
                                               if ordered else None)
             point[f"num_{name}_samples"] = len(ordered)
         return point
@@ -183,7 +184,3 @@ class LiveStats:
             return len(self._requests)
 
 
-def _percentile(ordered: list[float], q: float) -> float:
-    """Nearest-rank percentile of a sorted, non-empty list (timeline.py's convention)."""
-    index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
-    return ordered[index]

@@ -466,7 +466,8 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
+def nearest_rank_percentile(sorted_values: list[float], q: float) -> float:
+    """The q-quantile (0 < q <= 1) of a sorted, non-empty list: a value that occurred."""
     index = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
     return sorted_values[index]
 
@@ -475,9 +476,10 @@ def _itl_stats(gaps: list[float]) -> dict | None:
     if not gaps:
         return None
     ordered = sorted(gaps)
-    return {"count": len(ordered), "mean_s": _round(sum(ordered) / len(ordered)),
-            "p50_s": _round(_percentile(ordered, 0.5)), "p90_s": _round(_percentile(ordered, 0.9)),
-            "p99_s": _round(_percentile(ordered, 0.99)), "max_s": _round(ordered[-1])}
+    quantiles = {f"p{round(100 * q)}_s": _round(nearest_rank_percentile(ordered, q))
+                 for q in (0.5, 0.9, 0.99)}
+    return {"count": len(ordered), "mean_s": _round(sum(ordered) / len(ordered)), **quantiles,
+            "max_s": _round(ordered[-1])}
 
 
 def _explain(b: _Builder, summary: dict, breakdown: dict | None) -> str:
