@@ -47,6 +47,10 @@ from pagedserve.entrypoints.openai.observability_routes import (
     attach_request_tracer,
 )
 from pagedserve.entrypoints.openai.serving import OpenAIServing
+from pagedserve.entrypoints.openai.serving_responses import (
+    DEFAULT_STORE_SIZE as DEFAULT_RESPONSES_STORE_SIZE,
+)
+from pagedserve.entrypoints.openai.serving_responses import ResponsesRequest, ResponsesServing
 from pagedserve.entrypoints.openai.serving_lora import (
     LoRAModule,
     LoRAServing,
@@ -100,6 +104,9 @@ class ServerConfig:
     """Finished requests whose timelines GET /v1/requests/{id}/timeline still answers."""
     otlp_traces_endpoint: str | None = None
     """Export an OpenTelemetry span per finished request here (OTLP/HTTP protobuf)."""
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
+    """Responses /v1/responses keeps for previous_response_id and GET (least recently used
+    dropped first)."""
 
     def __post_init__(self) -> None:
         if self.max_num_waiting < 0:
@@ -112,6 +119,9 @@ class ServerConfig:
             raise ValueError("api_key must not be empty")
         if self.timeline_history < 1:
             raise ValueError(f"--timeline-history must be >= 1, got {self.timeline_history}")
+        if self.responses_store_size < 1:
+            raise ValueError("--responses-store-size must be >= 1, got "
+                             f"{self.responses_store_size}")
         if self.enable_lora_runtime_updates and self.lora_dir is None:
             raise ValueError("--enable-lora-runtime-updates needs --lora-dir: the one directory "
                              "adapters may be loaded from at run time")
@@ -137,6 +147,7 @@ class ServerConfig:
                                          or runtime_updates_from_env()),
             timeline_history=args.timeline_history,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
+            responses_store_size=args.responses_store_size,
         )
 
 
@@ -380,6 +391,24 @@ def build_app(
         check_capacity()
         request = await read_request(raw_request, p.ChatCompletionRequest)
         return await respond(raw_request, serving.create_chat_completion(request))
+
+    responses = ResponsesServing(serving, config.responses_store_size)
+
+    @app.post("/v1/responses")
+    async def create_response(raw_request: Request) -> Response:
+        check_capacity()
+        request = await read_request(raw_request, ResponsesRequest)
+        return await respond(raw_request, responses.create_response(request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return Response(responses.retrieve(response_id).model_dump_json(),
+                        media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return Response(responses.delete(response_id).model_dump_json(),
+                        media_type="application/json")
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:
@@ -647,6 +676,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                        help="export an OpenTelemetry span per finished request over OTLP/HTTP, "
                             "e.g. http://localhost:4318/v1/traces (needs pagedserve[otlp])")
+    group.add_argument("--responses-store-size", type=int,
+                       default=ServerConfig.responses_store_size,
+                       help="responses /v1/responses keeps for previous_response_id and GET "
+                            "/v1/responses/{id} (the least recently used are dropped)")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
     group.add_argument("--disable-log-stats", action="store_true",
