@@ -111,11 +111,11 @@ def test_stream_events_in_order(client):
 
 def test_previous_response_id_chain(client, http):
     first = client.responses.create(input="My name is Ada. Say hello.",
-                                    instructions="Be brief.", max_output_tokens=12, **GREEDY)
+                                    instructions="Be brief.", max_output_tokens=8, **GREEDY)
     second = client.responses.create(input="What is my name?", previous_response_id=first.id,
-                                     max_output_tokens=12, **GREEDY)
+                                     max_output_tokens=8, **GREEDY)
     third = client.responses.create(input="Say it again.", previous_response_id=second.id,
-                                    max_output_tokens=12, **GREEDY)
+                                    max_output_tokens=8, **GREEDY)
     # Each turn's prompt holds the earlier inputs and outputs (not the first's instructions).
     conversation = [{"role": "user", "content": "My name is Ada. Say hello."},
                     {"role": "assistant", "content": first.output_text},
@@ -128,7 +128,7 @@ def test_previous_response_id_chain(client, http):
     assert third.usage.input_tokens == num_template_tokens(http, conversation)
     assert third.previous_response_id == second.id
     # The same conversation sent in full gives the same reply.
-    explicit = client.responses.create(input=conversation, max_output_tokens=12, **GREEDY)
+    explicit = client.responses.create(input=conversation, max_output_tokens=8, **GREEDY)
     assert explicit.output_text == third.output_text
 
 
@@ -152,7 +152,7 @@ def test_retrieve_delete_and_unknown_ids(client):
     ({"background": True}, "background", "background is not supported"),
     ({"reasoning": {"effort": "low"}}, "reasoning", "reasoning is not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input", "content[0] of type 'input_image' is not supported"),
+     "input", "input[0].content[0] of type 'input_image' is not supported"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input",
      "input[0] of type 'function_call_output' is not supported"),
     ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),

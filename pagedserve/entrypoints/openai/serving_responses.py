@@ -34,6 +34,7 @@ DEFAULT_STORE_SIZE = 1024
 """Responses kept for previous_response_id and GET /v1/responses/{id} (least recently used
 ones are dropped first)."""
 
+_INPUT_ROLES = ("user", "system", "developer", "assistant")
 _INPUT_PART_TYPES = ("input_text", "output_text")
 """Content parts a message may carry: text in, and text an earlier response gave back."""
 
@@ -56,18 +57,6 @@ class InputMessage(p.RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputTextPart]
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _check_parts(cls, value: Any) -> Any:
-        # One message naming the part instead of pydantic's failed union members.
-        if isinstance(value, list):
-            for index, part in enumerate(value):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in _INPUT_PART_TYPES:
-                    raise ValueError(f"content[{index}] of type {kind!r} is not supported: this "
-                                     "server takes text only ('input_text' parts)")
-        return value
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -124,6 +113,8 @@ class ResponsesRequest(p.RequestModel):
             if not value:
                 raise ValueError("input must not be empty")
             return value
+        # Here rather than in the item models: one message naming the item or part, instead of
+        # pydantic's failed union members.
         if not isinstance(value, list) or not value:
             raise ValueError("input must be a string or a non-empty list of messages")
         for index, item in enumerate(value):
@@ -131,6 +122,21 @@ class ResponsesRequest(p.RequestModel):
             if kind != "message":
                 raise ValueError(f"input[{index}] of type {kind!r} is not supported: this "
                                  "server takes messages ({'role': ..., 'content': ...}) only")
+            if item.get("role") not in _INPUT_ROLES:
+                raise ValueError(f"input[{index}].role must be one of {', '.join(_INPUT_ROLES)}")
+            content = item.get("content")
+            if not isinstance(content, (str, list)):
+                raise ValueError(f"input[{index}].content must be a string or a list of "
+                                 "'input_text' parts")
+            for part_index, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in _INPUT_PART_TYPES:
+                    raise ValueError(f"input[{index}].content[{part_index}] of type {kind!r} is "
+                                     "not supported: this server takes text only "
+                                     "('input_text' parts)")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"input[{index}].content[{part_index}].text must be a "
+                                     "string")
         return value
 
 
