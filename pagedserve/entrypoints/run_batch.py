@@ -38,6 +38,9 @@ DEFAULT_MAX_CONCURRENCY = 512
 class Endpoint:
     request_type: type[p.RequestModel]
     handle: Callable[[Any], Awaitable[BaseModel]]
+    refused: tuple[str, ...] = ("stream",)
+    """Body fields that make no sense in a batch (a 400 when set): a stream has no reader, and
+    lines run concurrently, so one cannot continue another's response."""
 
 
 class LineError(Exception):
@@ -55,7 +58,8 @@ def endpoints(serving: OpenAIServing, responses: ResponsesServing) -> dict[str, 
         "/v1/chat/completions": Endpoint(p.ChatCompletionRequest,
                                          serving.create_chat_completion),
         "/v1/completions": Endpoint(p.CompletionRequest, serving.create_completion),
-        "/v1/responses": Endpoint(ResponsesRequest, responses.create_response),
+        "/v1/responses": Endpoint(ResponsesRequest, responses.create_response,
+                                  refused=("stream", "previous_response_id")),
     }
 
 
@@ -103,8 +107,9 @@ async def run_line(line: str, urls: dict[str, Endpoint]) -> dict:
         return output
     request_id = f"req_{uuid.uuid4().hex}"
     try:
-        if body.get("stream"):
-            raise bad_request("stream is not supported in a batch", "stream")
+        for name in endpoint.refused:
+            if body.get(name):
+                raise bad_request(f"{name} is not supported in a batch", name)
         try:
             request = endpoint.request_type.model_validate(body)
         except ValidationError as error:
@@ -196,6 +201,7 @@ async def _run(args: argparse.Namespace, lines: list[str], output: IO[str]) -> l
     async_llm = AsyncLLM(engine)
     try:
         serving = OpenAIServing(async_llm, args.served_model_name or args.model)
+        # Nothing reads stored responses back in a batch: keep the store minimal.
         urls = endpoints(serving, ResponsesServing(serving, store_size=1))
         return await run_lines(lines, urls, output, args.max_concurrency)
     finally:

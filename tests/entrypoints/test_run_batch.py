@@ -97,3 +97,23 @@ def test_run_batch_mixed_file(tmp_path):
     assert outputs[3]["custom_id"] is None  # the broken line has none to give
     assert outputs[25]["response"]["body"]["error"]["param"] == "max_tokens"
     assert "/v1/images" in outputs[10]["error"]["message"]
+
+
+def test_fields_a_batch_cannot_serve_are_refused_per_line():
+    import asyncio
+
+    from pagedserve.entrypoints.openai.serving_responses import ResponsesRequest
+    from pagedserve.entrypoints.run_batch import Endpoint, run_line
+
+    async def never_called(request):
+        raise AssertionError("a refused line reached the endpoint")
+
+    urls = {"/v1/responses": Endpoint(ResponsesRequest, never_called,
+                                      refused=("stream", "previous_response_id"))}
+    for field, value in (("stream", True), ("previous_response_id", "resp_1")):
+        line = json.dumps({"custom_id": field, "method": "POST", "url": "/v1/responses",
+                           "body": {"input": "hi", field: value}})
+        output = asyncio.run(run_line(line, urls))
+        assert output["custom_id"] == field and output["error"] is None
+        assert output["response"]["status_code"] == 400
+        assert output["response"]["body"]["error"]["param"] == field
