@@ -372,14 +372,6 @@ class OpenAIServing:
         fmt = _CompletionFormat(self, request, response_id, prompts)
         return await self._run(request, prompts, params, fmt)
 
-    async def create_chat_completion(
-        self, request: p.ChatCompletionRequest
-    ) -> p.ChatCompletionResponse | EventStream:
-        prompt, params, tool_plan = await self.prepare_chat_completion(request)
-        response_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = _ChatFormat(self, request, response_id, tool_plan.parser)
-        return await self._run(request, [prompt], params, fmt)
-
     async def prepare_chat_completion(
         self, request: p.ChatCompletionRequest
     ) -> tuple[PromptInput, list[SamplingParams], ToolPlan]:
@@ -402,6 +394,14 @@ class OpenAIServing:
                                         max_tokens_param=param, prompt_param="messages",
                                         structured_outputs=constraint)]
         return prompt, params, tool_plan
+
+    async def create_chat_completion(
+        self, request: p.ChatCompletionRequest
+    ) -> p.ChatCompletionResponse | EventStream:
+        prompt, params, tool_plan = await self.prepare_chat_completion(request)
+        response_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = _ChatFormat(self, request, response_id, tool_plan.parser)
+        return await self._run(request, [prompt], params, fmt)
 
     async def tokenize(self, request: p.TokenizeRequest) -> p.TokenizeResponse:
         self.check_model(request.model)
@@ -592,20 +592,6 @@ class OpenAIServing:
 
     # ---- running ----
 
-    async def _run(self, request: p.GenerationRequest, prompts: list[PromptInput],
-                   params: list[SamplingParams], fmt: _ResponseFormat) -> BaseModel | EventStream:
-        generation = await self.start_generation(request, prompts, params, fmt.response_id)
-        usage = _Usage([len(prompt.token_ids) for prompt in prompts])
-        if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = self._stream(generation, fmt, usage, request.n, include_usage,
-                                  request.return_timeline)
-            return EventStream(events, generation)
-        response = await self._collect(generation, fmt, usage, request.n)
-        if request.return_timeline:
-            response.timeline = self._timeline(fmt.response_id)
-        return response
-
     async def start_generation(self, request: p.GenerationRequest, prompts: list[PromptInput],
                                params: list[SamplingParams], response_id: str) -> Generation:
         """One engine request per prompt, started: bad input the engine finds is an APIError
@@ -628,6 +614,20 @@ class OpenAIServing:
         except (ValueError, EngineDrainingError, EngineDeadError, EngineSleepingError) as error:
             raise engine_error(error) from None
         return generation
+
+    async def _run(self, request: p.GenerationRequest, prompts: list[PromptInput],
+                   params: list[SamplingParams], fmt: _ResponseFormat) -> BaseModel | EventStream:
+        generation = await self.start_generation(request, prompts, params, fmt.response_id)
+        usage = _Usage([len(prompt.token_ids) for prompt in prompts])
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            events = self._stream(generation, fmt, usage, request.n, include_usage,
+                                  request.return_timeline)
+            return EventStream(events, generation)
+        response = await self._collect(generation, fmt, usage, request.n)
+        if request.return_timeline:
+            response.timeline = self._timeline(fmt.response_id)
+        return response
 
     def _timeline(self, response_id: str) -> dict | None:
         return self.timelines.get(response_id) if self.timelines is not None else None
