@@ -102,11 +102,11 @@ class ServerConfig:
     """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
     timeline_history: int = DEFAULT_TIMELINE_HISTORY
     """Finished requests whose timelines GET /v1/requests/{id}/timeline still answers."""
-    otlp_traces_endpoint: str | None = None
-    """Export an OpenTelemetry span per finished request here (OTLP/HTTP protobuf)."""
     responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
     """Responses /v1/responses keeps for previous_response_id and GET (least recently used
     dropped first)."""
+    otlp_traces_endpoint: str | None = None
+    """Export an OpenTelemetry span per finished request here (OTLP/HTTP protobuf)."""
 
     def __post_init__(self) -> None:
         if self.max_num_waiting < 0:
@@ -146,8 +146,8 @@ class ServerConfig:
             enable_lora_runtime_updates=(args.enable_lora_runtime_updates
                                          or runtime_updates_from_env()),
             timeline_history=args.timeline_history,
-            otlp_traces_endpoint=args.otlp_traces_endpoint,
             responses_store_size=args.responses_store_size,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
 
 
@@ -392,6 +392,16 @@ def build_app(
         request = await read_request(raw_request, p.ChatCompletionRequest)
         return await respond(raw_request, serving.create_chat_completion(request))
 
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request) -> Response:
+        request = await read_request(raw_request, p.TokenizeRequest)
+        return await respond(raw_request, serving.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request) -> Response:
+        request = await read_request(raw_request, p.DetokenizeRequest)
+        return await respond(raw_request, serving.detokenize(request))
+
     responses = ResponsesServing(serving, config.responses_store_size)
 
     @app.post("/v1/responses")
@@ -409,16 +419,6 @@ def build_app(
     async def delete_response(response_id: str) -> Response:
         return Response(responses.delete(response_id).model_dump_json(),
                         media_type="application/json")
-
-    @app.post("/tokenize")
-    async def tokenize(raw_request: Request) -> Response:
-        request = await read_request(raw_request, p.TokenizeRequest)
-        return await respond(raw_request, serving.tokenize(request))
-
-    @app.post("/detokenize")
-    async def detokenize(raw_request: Request) -> Response:
-        request = await read_request(raw_request, p.DetokenizeRequest)
-        return await respond(raw_request, serving.detokenize(request))
 
     _add_lifecycle_routes(app, async_llm, read_request)
     add_dashboard_routes(app, async_llm)  # its LiveStats: the one among async_llm.stat_loggers
@@ -673,13 +673,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timeline-history", type=int, default=ServerConfig.timeline_history,
                        help="finished requests whose timelines GET /v1/requests/{id}/timeline "
                             "keeps (a ring; live requests are always kept)")
-    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                       help="export an OpenTelemetry span per finished request over OTLP/HTTP, "
-                            "e.g. http://localhost:4318/v1/traces (needs pagedserve[otlp])")
     group.add_argument("--responses-store-size", type=int,
                        default=ServerConfig.responses_store_size,
                        help="responses /v1/responses keeps for previous_response_id and GET "
                             "/v1/responses/{id} (the least recently used are dropped)")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export an OpenTelemetry span per finished request over OTLP/HTTP, "
+                            "e.g. http://localhost:4318/v1/traces (needs pagedserve[otlp])")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
     group.add_argument("--disable-log-stats", action="store_true",
