@@ -47,16 +47,16 @@ from pagedserve.entrypoints.openai.observability_routes import (
     attach_request_tracer,
 )
 from pagedserve.entrypoints.openai.serving import OpenAIServing
-from pagedserve.entrypoints.openai.serving_responses import (
-    DEFAULT_STORE_SIZE as DEFAULT_RESPONSES_STORE_SIZE,
-)
-from pagedserve.entrypoints.openai.serving_responses import ResponsesRequest, ResponsesServing
 from pagedserve.entrypoints.openai.serving_lora import (
     LoRAModule,
     LoRAServing,
     parse_lora_module,
     runtime_updates_from_env,
 )
+from pagedserve.entrypoints.openai.serving_responses import (
+    DEFAULT_STORE_SIZE as DEFAULT_RESPONSES_STORE_SIZE,
+)
+from pagedserve.entrypoints.openai.serving_responses import ResponsesRequest, ResponsesServing
 from pagedserve.entrypoints.openai.debug_routes import MemoryGauges, add_debug_routes
 from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger
