@@ -4,6 +4,8 @@ routes and bound, and refused features."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -85,6 +87,16 @@ def test_max_output_tokens_makes_it_incomplete(client):
     assert response.usage.output_tokens == 3
     assert response.output[0].status == "incomplete"
     assert response.output_text
+
+
+def test_text_format_json_schema_constrains_the_output(client):
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}},
+              "required": ["color"], "additionalProperties": False}
+    response = client.responses.create(
+        input=QUESTION, max_output_tokens=24, **GREEDY,
+        text={"format": {"type": "json_schema", "name": "color", "schema": schema}})
+    assert response.text.format.type == "json_schema"
+    assert json.loads(response.output_text)["color"] in ("red", "blue")
 
 
 def test_stream_events_in_order(client):

@@ -313,19 +313,9 @@ class ResponsesServing:
         instructions = ((p.ChatMessage(role="system", content=request.instructions),)
                         if request.instructions else ())
         chat_request = self._chat_request(request, instructions + history)
+        response = self._new_response(request, chat_request)
         try:
             prompt, params, _ = await self.serving.prepare_chat_completion(chat_request)
-            response = ResponseObject(
-                id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()),
-                status="in_progress", instructions=request.instructions,
-                max_output_tokens=request.max_output_tokens,
-                model=self.serving.response_model(chat_request),
-                parallel_tool_calls=request.parallel_tool_calls,
-                previous_response_id=request.previous_response_id, store=request.store,
-                temperature=request.temperature, top_p=request.top_p,
-                text={"format": {"type": request.text.format.type
-                                 if request.text and request.text.format else "text"}},
-                metadata=request.metadata or {}, user=request.user)
             generation = await self.serving.start_generation(chat_request, [prompt], params,
                                                              response.id)
         except APIError as error:
@@ -344,6 +334,20 @@ class ResponsesServing:
         finally:
             await generation.aclose()
         return self._finish(turn)
+
+    def _new_response(self, request: ResponsesRequest,
+                      chat_request: p.ChatCompletionRequest) -> ResponseObject:
+        """The response as it starts: in progress, no output yet."""
+        text_format = request.text.format.type if request.text and request.text.format else "text"
+        return ResponseObject(
+            id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), status="in_progress",
+            instructions=request.instructions, max_output_tokens=request.max_output_tokens,
+            model=self.serving.response_model(chat_request),
+            parallel_tool_calls=request.parallel_tool_calls,
+            previous_response_id=request.previous_response_id, store=request.store,
+            temperature=request.temperature, top_p=request.top_p,
+            text={"format": {"type": text_format}}, metadata=request.metadata or {},
+            user=request.user)
 
     def _previous_conversation(self, response_id: str | None) -> tuple[p.ChatMessage, ...]:
         if response_id is None:
