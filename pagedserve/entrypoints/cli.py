@@ -1,4 +1,4 @@
-"""The `pagedserve` command: serve, generate, chat, router, bench.
+"""The `pagedserve` command: serve, run-batch, generate, chat, router, bench.
 
 Environment variables and flags are read here and nowhere deeper: the engine gets configs.
 """
@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     api_server.add_cli_args(serve)
     serve.set_defaults(func=api_server.run_server)
+
+    run_batch = commands.add_parser(
+        "run-batch", help="run an OpenAI batch file (JSONL) through the engine, no server")
+    from pagedserve.entrypoints import run_batch as run_batch_module
+
+    run_batch_module.add_cli_args(run_batch)
+    run_batch.set_defaults(func=run_batch_module.main)
 
     router = commands.add_parser("router", help="route OpenAI API requests across servers")
     from pagedserve.router import cli as router_cli

@@ -53,6 +53,10 @@ from pagedserve.entrypoints.openai.serving_lora import (
     parse_lora_module,
     runtime_updates_from_env,
 )
+from pagedserve.entrypoints.openai.serving_responses import (
+    DEFAULT_STORE_SIZE as DEFAULT_RESPONSES_STORE_SIZE,
+)
+from pagedserve.entrypoints.openai.serving_responses import ResponsesRequest, ResponsesServing
 from pagedserve.entrypoints.openai.debug_routes import MemoryGauges, add_debug_routes
 from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger
@@ -98,6 +102,9 @@ class ServerConfig:
     """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
     timeline_history: int = DEFAULT_TIMELINE_HISTORY
     """Finished requests whose timelines GET /v1/requests/{id}/timeline still answers."""
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
+    """Responses /v1/responses keeps for previous_response_id and GET (least recently used
+    dropped first)."""
     otlp_traces_endpoint: str | None = None
     """Export an OpenTelemetry span per finished request here (OTLP/HTTP protobuf)."""
 
@@ -112,6 +119,9 @@ class ServerConfig:
             raise ValueError("api_key must not be empty")
         if self.timeline_history < 1:
             raise ValueError(f"--timeline-history must be >= 1, got {self.timeline_history}")
+        if self.responses_store_size < 1:
+            raise ValueError("--responses-store-size must be >= 1, got "
+                             f"{self.responses_store_size}")
         if self.enable_lora_runtime_updates and self.lora_dir is None:
             raise ValueError("--enable-lora-runtime-updates needs --lora-dir: the one directory "
                              "adapters may be loaded from at run time")
@@ -136,6 +146,7 @@ class ServerConfig:
             enable_lora_runtime_updates=(args.enable_lora_runtime_updates
                                          or runtime_updates_from_env()),
             timeline_history=args.timeline_history,
+            responses_store_size=args.responses_store_size,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
 
@@ -391,6 +402,24 @@ def build_app(
         request = await read_request(raw_request, p.DetokenizeRequest)
         return await respond(raw_request, serving.detokenize(request))
 
+    responses = ResponsesServing(serving, config.responses_store_size)
+
+    @app.post("/v1/responses")
+    async def create_response(raw_request: Request) -> Response:
+        check_capacity()
+        request = await read_request(raw_request, ResponsesRequest)
+        return await respond(raw_request, responses.create_response(request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return Response(responses.retrieve(response_id).model_dump_json(),
+                        media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return Response(responses.delete(response_id).model_dump_json(),
+                        media_type="application/json")
+
     _add_lifecycle_routes(app, async_llm, read_request)
     add_dashboard_routes(app, async_llm)  # its LiveStats: the one among async_llm.stat_loggers
     add_debug_routes(app, async_llm, timelines)
@@ -644,6 +673,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timeline-history", type=int, default=ServerConfig.timeline_history,
                        help="finished requests whose timelines GET /v1/requests/{id}/timeline "
                             "keeps (a ring; live requests are always kept)")
+    group.add_argument("--responses-store-size", type=int,
+                       default=ServerConfig.responses_store_size,
+                       help="responses /v1/responses keeps for previous_response_id and GET "
+                            "/v1/responses/{id} (the least recently used are dropped)")
     group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                        help="export an OpenTelemetry span per finished request over OTLP/HTTP, "
                             "e.g. http://localhost:4318/v1/traces (needs pagedserve[otlp])")

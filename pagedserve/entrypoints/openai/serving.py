@@ -372,9 +372,11 @@ class OpenAIServing:
         fmt = _CompletionFormat(self, request, response_id, prompts)
         return await self._run(request, prompts, params, fmt)
 
-    async def create_chat_completion(
+    async def prepare_chat_completion(
         self, request: p.ChatCompletionRequest
-    ) -> p.ChatCompletionResponse | EventStream:
+    ) -> tuple[PromptInput, list[SamplingParams], ToolPlan]:
+        """The checked prompt and sampling params of a chat request (APIError for bad input).
+        /v1/responses turns its requests into chat requests and starts them from here."""
         self._check_common(request)
         if request.top_logprobs and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
@@ -391,6 +393,12 @@ class OpenAIServing:
         params = [self._sampling_params(request, prompt, max_tokens, logprobs=logprobs,
                                         max_tokens_param=param, prompt_param="messages",
                                         structured_outputs=constraint)]
+        return prompt, params, tool_plan
+
+    async def create_chat_completion(
+        self, request: p.ChatCompletionRequest
+    ) -> p.ChatCompletionResponse | EventStream:
+        prompt, params, tool_plan = await self.prepare_chat_completion(request)
         response_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         fmt = _ChatFormat(self, request, response_id, tool_plan.parser)
         return await self._run(request, [prompt], params, fmt)
@@ -584,14 +592,16 @@ class OpenAIServing:
 
     # ---- running ----
 
-    async def _run(self, request: p.GenerationRequest, prompts: list[PromptInput],
-                   params: list[SamplingParams], fmt: _ResponseFormat) -> BaseModel | EventStream:
+    async def start_generation(self, request: p.GenerationRequest, prompts: list[PromptInput],
+                               params: list[SamplingParams], response_id: str) -> Generation:
+        """One engine request per prompt, started: bad input the engine finds is an APIError
+        here, before any response begins. The caller must aclose() the Generation."""
         # Engine ids are ours alone: clients' request_id values may repeat.
         base_id = f"cmpl-{uuid.uuid4().hex}"
         lora = self.check_model(request.model)
         engine_ids = [f"{base_id}-{index}" for index in range(len(prompts))]
         if self.timelines is not None:
-            self.timelines.add_alias(fmt.response_id, engine_ids)
+            self.timelines.add_alias(response_id, engine_ids)
         streams = [
             self.async_llm.generate({"prompt_token_ids": prompt.token_ids}, prompt_params,
                                     engine_id, priority=request.priority,
@@ -603,6 +613,11 @@ class OpenAIServing:
             await generation.start()
         except (ValueError, EngineDrainingError, EngineDeadError, EngineSleepingError) as error:
             raise engine_error(error) from None
+        return generation
+
+    async def _run(self, request: p.GenerationRequest, prompts: list[PromptInput],
+                   params: list[SamplingParams], fmt: _ResponseFormat) -> BaseModel | EventStream:
+        generation = await self.start_generation(request, prompts, params, fmt.response_id)
         usage = _Usage([len(prompt.token_ids) for prompt in prompts])
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
