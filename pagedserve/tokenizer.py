@@ -283,12 +283,13 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, *, chat_template: str | None = None,
-                            continue_final_message: bool = False, **extra: Any) -> str:
+                            continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """Render `messages` (OpenAI-style dicts) into the prompt text.
 
         `chat_template`: used instead of the model's. `continue_final_message`: end the prompt
-        inside the final message (see _continue_final_message). `extra`: more template
-        variables (a request's chat_template_kwargs, e.g. enable_thinking).
+        inside the final message (see _continue_final_message). `template_kwargs`: more
+        template variables (a request's chat_template_kwargs, e.g. enable_thinking).
         Runs the template in a sandbox: templates are untrusted code from the model file.
         """
         source = chat_template if chat_template is not None else self.chat_template
@@ -296,7 +297,8 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a completion request instead")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        reserved = _TEMPLATE_ARGUMENTS.intersection(extra)
+        template_kwargs = template_kwargs or {}
+        reserved = _TEMPLATE_ARGUMENTS.intersection(template_kwargs)
         if reserved:
             raise ValueError(f"chat template kwargs may not set {', '.join(sorted(reserved))}")
         template = compile_chat_template(source)
@@ -304,7 +306,7 @@ class Tokenizer:
             rendered = template.render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text(self.bos_token_id), eos_token=self._token_text(self.eos_token_id),
-                **extra,
+                **template_kwargs,
             )
         except TemplateError as e:
             raise ValueError(f"chat template failed to render: {type(e).__name__}: {e}") from e

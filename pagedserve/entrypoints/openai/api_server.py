@@ -112,7 +112,8 @@ class ServerConfig:
     max_log_len: int | None = None
     """Characters of a logged body (None: all)."""
     root_path: str = ""
-    """FastAPI's root_path: the prefix a path-routing proxy in front strips."""
+    """The prefix a path-routing proxy in front strips (ASGI's root_path, set by uvicorn):
+    requests arrive without it, links and the OpenAPI schema carry it."""
     cors_allowed_origins: tuple[str, ...] | None = None
     """CORS is on exactly when this is set (vLLM's default is every origin; ours is off)."""
     cors_allowed_methods: tuple[str, ...] = ("*",)
@@ -355,8 +356,7 @@ def build_app(
     state = ServerState(config)
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None,
                                                         "openapi_url": None}
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__,
-                  root_path=config.root_path, **docs)
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, **docs)
     app.state.server = state
     app.state.lora = lora
     app.state.timelines = timelines
@@ -600,9 +600,9 @@ class _DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
-    """The listener: address, TLS, uvicorn's logging."""
+    """The listener: address, TLS, root path, uvicorn's logging."""
     return uvicorn.Config(
-        app, host=config.host, port=config.port,
+        app, host=config.host, port=config.port, root_path=config.root_path,
         log_level=config.uvicorn_log_level or config.log_level,
         access_log=not config.disable_uvicorn_access_log,
         ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,

@@ -455,7 +455,8 @@ class OpenAIServing:
             text = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=fields.add_generation_prompt,
                 tools=template_tools, chat_template=chat_template,
-                continue_final_message=fields.continue_final_message, **template_kwargs)
+                continue_final_message=fields.continue_final_message,
+                template_kwargs=template_kwargs)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
 
         try:
