@@ -223,8 +223,8 @@ VLLM_SERVE_FLAGS: tuple[VLLMFlag, ...] = (
     VLLMFlag("--enable-tokenizer-info-endpoint", _U, ""),
     # ---- logging and metrics ----
     VLLMFlag("--disable-log-stats", _S, "no periodic throughput line"),
-    VLLMFlag("--enable-log-requests", _M, "logs each completion and chat request's body at "
-             "INFO (off by default, as in vLLM)"),
+    VLLMFlag("--enable-log-requests", _M, "logs each request's route and JSON body at INFO "
+             "(off by default, as in vLLM)"),
     VLLMFlag("--disable-log-requests", _S, "the default already (vLLM's older spelling)"),
     VLLMFlag("--max-log-len", _S, "characters of a logged request body", ("200",)),
     VLLMFlag("--enable-log-outputs", _U, ""),

@@ -215,3 +215,31 @@ def test_data_parallel_replicas_get_no_tls_or_cors(tmp_path):
         "--default-chat-template-kwargs", '{"enable_thinking": false}'))
     assert flags == ["--model", "m", "--default-chat-template-kwargs",
                      '{"enable_thinking": false}']
+
+
+def test_gpu_memory_utilization_sizes_the_pool_on_cuda(monkeypatch):
+    """The arithmetic on a stand-in for a cuda worker (this machine has no GPU): the pool gets
+    the fraction of device memory less what the loaded weights hold."""
+    import types
+
+    import torch
+
+    from pagedserve.config import CacheConfig
+    from pagedserve.worker.worker import Worker
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
+
+    def blocks(cache: CacheConfig, device: str) -> int:
+        worker = types.SimpleNamespace(
+            config=types.SimpleNamespace(cache=cache), device=torch.device(device),
+            model_runner=types.SimpleNamespace(kv_cache_bytes_per_block=gib))
+        return Worker.determine_num_kv_blocks(worker)
+
+    assert blocks(CacheConfig(gpu_memory_utilization=0.5), "cuda") == 40  # 50 GiB - 10 GiB
+    assert blocks(CacheConfig(gpu_memory_utilization=0.5, kv_cache_memory_bytes=4 * gib),
+                  "cpu") == 4
+    with pytest.raises(ValueError, match="leaves no memory for the KV cache"):
+        blocks(CacheConfig(gpu_memory_utilization=0.05), "cuda")

@@ -6,6 +6,8 @@ TLS, --root-path, CORS, --chat-template, two served names, --max-logprobs and
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import shutil
 import ssl
 import subprocess
@@ -151,7 +153,8 @@ def vllm_server(server, tmp_path_factory):
         "--ssl-keyfile", key, "--ssl-certfile", cert,
         "--chat-template", INLINE_TEMPLATE, "--trust-request-chat-template",
         "--default-chat-template-kwargs", '{"greeting": "default"}',
-        "--max-logprobs", "2", "--return-tokens-as-token-ids"])
+        "--max-logprobs", "2", "--return-tokens-as-token-ids",
+        "--enable-log-requests", "--max-log-len", "30"])
     config = ServerConfig.from_cli_args(args)
     app = build_app(server.async_llm, config, PrometheusStatLogger(MODEL_NAME),
                     server.app.state.timelines)
@@ -251,3 +254,29 @@ def test_max_logprobs_and_token_ids(https):
                                                      "max_tokens": 2, "logprobs": 3},
                             headers=AUTH)
     assert completion.status_code == 400 and completion.json()["error"]["param"] == "logprobs"
+
+
+def test_enable_log_requests_logs_the_body_cut_at_max_log_len(https, caplog):
+    body = {"model": MODEL_NAME, "prompt": "a prompt long enough to be cut in the log"}
+    with caplog.at_level(logging.INFO, logger="pagedserve.entrypoints.openai.api_server"):
+        assert https.post("/tokenize", json=body, headers=AUTH).status_code == 200
+    logged = json.dumps(body)[:30] + "..."
+    assert f"request POST {ROOT}/tokenize: {logged}" in caplog.text
+
+
+def test_completion_logprobs_as_token_ids_keep_text_offsets(https):
+    def detokenize(ids: list[int]) -> str:
+        return https.post("/detokenize", json={"tokens": ids}, headers=AUTH).json()["prompt"]
+
+    response = https.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello",
+                                                   "max_tokens": 3, "temperature": 0,
+                                                   "logprobs": 2}, headers=AUTH)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    ids = [int(token.removeprefix("token_id:")) for token in logprobs["tokens"]]
+    assert detokenize(ids) == choice["text"]
+    assert all(key.startswith("token_id:") for top in logprobs["top_logprobs"] for key in top)
+    offsets = logprobs["text_offset"]  # count the text, not the token_id:N spelling
+    assert [b - a for a, b in zip(offsets, offsets[1:])] == [
+        len(detokenize([token_id])) for token_id in ids[:-1]]

@@ -108,7 +108,7 @@ class ServerConfig:
     frontend: FrontendOptions = FrontendOptions()
     """The chat template, logprobs cap and token spelling (frontend_options.py)."""
     enable_log_requests: bool = False
-    """Log each completion and chat request's body at INFO (vLLM: off by default too)."""
+    """Log each request's route and JSON body at INFO (vLLM: off by default too)."""
     max_log_len: int | None = None
     """Characters of a logged body (None: all)."""
     root_path: str = ""
@@ -755,7 +755,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between those lines (10)")
     group.add_argument("--enable-log-requests", action="store_true",
-                       help="log each completion and chat request's body at INFO")
+                       help="log each request's route and JSON body at INFO")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="the default; wins over --enable-log-requests (vLLM's older flag)")
     group.add_argument("--max-log-len", type=int, default=None,

@@ -696,18 +696,18 @@ class OpenAIServing:
         offset = first_offset
         for token_id, position in zip(token_ids, positions):
             if position is None or token_id not in position:
-                token = self._logprob_token(token_id, self.tokenizer.decode_token(token_id))
+                text = self.tokenizer.decode_token(token_id)
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
             else:
-                token = self._logprob_token(token_id, position[token_id].decoded_token)
+                text = position[token_id].decoded_token or ""
                 result.token_logprobs.append(_clamp(position[token_id].logprob))
                 result.top_logprobs.append({self._logprob_token(top_id, lp.decoded_token):
                                             _clamp(lp.logprob)
                                             for top_id, lp in position.items()})
-            result.tokens.append(token)
+            result.tokens.append(self._logprob_token(token_id, text))
             result.text_offset.append(offset)
-            offset += len(token)
+            offset += len(text)  # offsets count text, whatever the token's spelling
         return result
 
     def chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs],
