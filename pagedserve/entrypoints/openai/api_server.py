@@ -161,7 +161,6 @@ class ServerConfig:
             raise ValueError(f"--root-path must start with / and not end with one, got "
                              f"{self.root_path!r}")
 
-
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
         names = args.served_model_name or [model_arg(args)]
