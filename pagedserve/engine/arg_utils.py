@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 from pagedserve.config import (
@@ -42,6 +43,19 @@ DTYPE_ALIASES = {"auto": "bfloat16", "float": "float32", "half": "float16"}
 QUANTIZATION_ALIASES = {"gguf": "auto"}
 """vLLM's --quantization gguf: the GGUF file's own quantization, which auto keeps."""
 KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's --max-model-len forms: 4096, 32k / 1m (powers of 1000), 32K / 1M (of 1024)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a number of tokens: {value!r} (e.g. 4096, 32k, 32K)")
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    result = float(number) * scale[suffix]
+    if result != int(result):
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {value!r}")
+    return int(result)
 
 def _env_switch(name: str) -> bool:
     """An on/off environment variable: on unless set to "0". Read here only (the edge): the
@@ -291,8 +305,10 @@ class EngineArgs:
                 default = (f.default if f.default_factory is dataclasses.MISSING
                            else f.default_factory())  # the env-backed switches
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads",
-                            "max_cpu_loras"):
+            elif f.name == "max_model_len":
+                parser.add_argument(flag, type=human_readable_int, default=f.default,
+                                    help="tokens, e.g. 4096, 32k, 32K (default: the model's)")
+            elif f.name in ("num_gpu_blocks_override", "num_threads", "max_cpu_loras"):
                 parser.add_argument(flag, type=int, default=f.default)
             elif f.name == "gpu_memory_utilization":
                 parser.add_argument(flag, type=float, default=None,

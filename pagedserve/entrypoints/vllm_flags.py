@@ -57,7 +57,8 @@ VLLM_SERVE_FLAGS: tuple[VLLMFlag, ...] = (
     VLLMFlag("--dtype", _M, "auto and bfloat16: bfloat16; float and float32: float32; half and "
              "float16: float16 (cuda only)", ("float32",)),
     VLLMFlag("--seed", _S, "seeds the engine's sampling stream", ("1",)),
-    VLLMFlag("--max-model-len", _S, "default: the model's context", ("1024",)),
+    VLLMFlag("--max-model-len", _S, "default: the model's context; 4096, 32k or 32K as in "
+             "vLLM", ("32k",)),
     VLLMFlag("--quantization", _M, "auto (GGUF weights kept packed), none, int4, int8 "
              "(quantize on load); gguf means auto; vLLM's GPU methods (awq, gptq, fp8, ...) "
              "are refused", ("int8",), short="-q"),

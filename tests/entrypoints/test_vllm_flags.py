@@ -243,3 +243,9 @@ def test_gpu_memory_utilization_sizes_the_pool_on_cuda(monkeypatch):
                   "cpu") == 4
     with pytest.raises(ValueError, match="leaves no memory for the KV cache"):
         blocks(CacheConfig(gpu_memory_utilization=0.05), "cuda")
+
+
+@pytest.mark.parametrize("value, tokens", [("4096", 4096), ("32k", 32000), ("32K", 32768),
+                                           ("1.5k", 1500), ("1M", 1 << 20)])
+def test_max_model_len_takes_vllm_human_readable_forms(value, tokens):
+    assert parse_serve("--max-model-len", value).max_model_len == tokens
