@@ -175,7 +175,8 @@ VLLM_SERVE_FLAGS: tuple[VLLMFlag, ...] = (
     # ---- the HTTP server ----
     VLLMFlag("--host", _S, "default 127.0.0.1 (vLLM: all interfaces)", ("127.0.0.1",)),
     VLLMFlag("--port", _S, "", ("8001",)),
-    VLLMFlag("--api-key", _S, "one key; also $PAGEDSERVE_API_KEY", ("k",)),
+    VLLMFlag("--api-key", _M, "one key (vLLM takes several); also $PAGEDSERVE_API_KEY",
+             ("k",)),
     VLLMFlag("--root-path", _S, "FastAPI's root_path, behind a path-routing proxy", ("/llm",)),
     VLLMFlag("--allowed-origins", _M, "JSON list; CORS is off unless this is given (vLLM "
              'allows every origin by default)', ('["http://localhost:3000"]',)),
