@@ -74,6 +74,9 @@ class CacheConfig:
     cache_dtype: str = "auto"
     """KV cache element type: "auto" (the compute dtype), "int8" or "fp8" (e4m3), both with
     scales stored beside the KV (attention/kv_cache.py)."""
+    gpu_memory_utilization: float | None = None
+    """cuda only: the pool is this fraction of device memory less what is allocated once the
+    weights are loaded (vLLM's flag); None: kv_cache_memory_bytes."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from datetime import datetime
-from functools import cached_property
+from functools import lru_cache
 from typing import Any
 
 import gguf
@@ -98,6 +98,39 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     # jinja's own tojson escapes <, >, & and ' for HTML, which would change the prompt text.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
+
+
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                                 "eos_token"})
+"""What the renderer passes itself; template kwargs may not replace them."""
+
+
+@lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled in the sandbox: the model's, --chat-template's or a request's,
+    all untrusted alike. Cached by text (a server renders a handful of templates)."""
+    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise ValueError(f"the chat template does not compile: {e}") from e
+
+
+def _continue_final_message(rendered: str, messages: list[dict]) -> str:
+    """`rendered` cut right after the final message's text, so that the model goes on writing
+    it (what the template writes to close the turn is dropped)."""
+    content = messages[-1].get("content") if messages else None
+    final_text = content.strip() if isinstance(content, str) else ""
+    if not final_text:
+        raise ValueError("continue_final_message needs a final message with text")
+    end = rendered.rfind(final_text)
+    if end < 0:
+        raise ValueError("continue_final_message: the chat template does not render the final "
+                         "message's text as it is")
+    return rendered[:end + len(final_text)]
 
 
 class Tokenizer:
@@ -236,42 +269,45 @@ class Tokenizer:
         """The tokenizer as `tokenizer.json` text (what llguidance builds its token trie from)."""
         return self._tokenizer.to_str()
 
-    @property
-    def supports_tools_in_template(self) -> bool:
-        """Whether the chat template renders a `tools` list itself (Qwen2.5's does; SmolLM2's
-        does not, so the server describes the tools in a system message instead)."""
-        return self.chat_template is not None and "tools" in self.chat_template
+    def supports_tools_in_template(self, chat_template: str | None = None) -> bool:
+        """Whether the chat template (`chat_template`, else the model's) renders a `tools` list
+        itself (Qwen2.5's does; SmolLM2's does not, so the server describes the tools in a
+        system message instead)."""
+        source = chat_template if chat_template is not None else self.chat_template
+        return source is not None and "tools" in source
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._tokenizer.id_to_token(token_id) or ""
 
     # ---- chat template ----
 
-    @cached_property
-    def _compiled_chat_template(self) -> jinja2.Template:
-        if self.chat_template is None:
-            raise ValueError("this model has no chat template; send a completion request instead")
-        env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            return env.from_string(self.chat_template)
-        except TemplateError as e:
-            raise ValueError(f"the model's chat template does not compile: {e}") from e
-
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **extra: Any) -> str:
+                            tools: list[dict] | None = None, *, chat_template: str | None = None,
+                            continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """Render `messages` (OpenAI-style dicts) into the prompt text.
 
+        `chat_template`: used instead of the model's. `continue_final_message`: end the prompt
+        inside the final message (see _continue_final_message). `template_kwargs`: more
+        template variables (a request's chat_template_kwargs, e.g. enable_thinking).
         Runs the template in a sandbox: templates are untrusted code from the model file.
         """
-        template = self._compiled_chat_template
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
+            raise ValueError("this model has no chat template; send a completion request instead")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        template_kwargs = template_kwargs or {}
+        reserved = _TEMPLATE_ARGUMENTS.intersection(template_kwargs)
+        if reserved:
+            raise ValueError(f"chat template kwargs may not set {', '.join(sorted(reserved))}")
+        template = compile_chat_template(source)
         try:
-            return template.render(
+            rendered = template.render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text(self.bos_token_id), eos_token=self._token_text(self.eos_token_id),
-                **extra,
+                **template_kwargs,
             )
         except TemplateError as e:
             raise ValueError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+        return _continue_final_message(rendered, messages) if continue_final_message else rendered

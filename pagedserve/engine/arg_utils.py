@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 from pagedserve.config import (
@@ -27,8 +29,33 @@ from pagedserve.config import (
 )
 from pagedserve.models.loader import DEFAULT_MODEL, load_model_config, resolve_model_path
 
-_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = "2GiB"
+
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
+                "quantization": "-q"}
 """vLLM's short forms."""
+_VLLM_FLAG_ALIASES = {"kv_cache_memory": "--kv-cache-memory-bytes"}
+"""vLLM's spelling of a flag we name differently (both are accepted)."""
+DTYPE_ALIASES = {"auto": "bfloat16", "float": "float32", "half": "float16"}
+"""vLLM's other --dtype names."""
+QUANTIZATION_ALIASES = {"gguf": "auto"}
+"""vLLM's --quantization gguf: the GGUF file's own quantization, which auto keeps."""
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's --max-model-len forms: 4096, 32k / 1m (powers of 1000), 32K / 1M (of 1024)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a number of tokens: {value!r} (e.g. 4096, 32k, 32K)")
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    result = float(number) * scale[suffix]
+    if result != int(result):
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {value!r}")
+    return int(result)
 
 def _env_switch(name: str) -> bool:
     """An on/off environment variable: on unless set to "0". Read here only (the edge): the
@@ -91,13 +118,19 @@ class EngineArgs:
     model: str = DEFAULT_MODEL
     """A short model name, a GGUF file or an HF model directory."""
     dtype: str = "bfloat16"
-    """Compute dtype: float32 or bfloat16."""
+    """Compute dtype: float32 or bfloat16 (float16 on cuda); vLLM's auto, float and half too."""
     device: str = "cpu"
+    tokenizer: str | None = None
+    """vLLM's --tokenizer: must name the model itself (the tokenizer comes from its files)."""
     max_model_len: int | None = None
     """Context length; default: the model's."""
     block_size: int = 16
-    kv_cache_memory: int | str = "2GiB"
-    """Memory for the KV block pool (e.g. 512MiB, 4GiB)."""
+    kv_cache_memory: int | str | None = None
+    """Memory for the KV block pool (e.g. 512MiB, 4GiB; vLLM's --kv-cache-memory-bytes).
+    Default: 2GiB, or on cuda with gpu_memory_utilization, that fraction of the device."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's: on cuda, the fraction of device memory the weights and the KV pool may take
+    (the pool gets the rest after the weights); on the CPU, ignored with a warning."""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_num_seqs: int = 256
@@ -180,6 +213,9 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model)
+        if self.tokenizer is not None and resolve_model_path(self.tokenizer) != model_path:
+            raise ValueError(f"--tokenizer {self.tokenizer!r} is not the model: pagedserve reads "
+                             "the tokenizer from the model's own files")
         model_config = load_model_config(model_path)
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
@@ -195,10 +231,11 @@ class EngineArgs:
             model=model_config,
             cache=CacheConfig(
                 block_size=self.block_size,
-                kv_cache_memory_bytes=parse_size(self.kv_cache_memory),
+                kv_cache_memory_bytes=parse_size(self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY),
+                gpu_memory_utilization=self._gpu_memory_utilization(),
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                cache_dtype=self.kv_cache_dtype,
+                cache_dtype=KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -209,8 +246,10 @@ class EngineArgs:
                 max_num_batches_in_flight=self.pipeline_parallel_size,
             ),
             device=DeviceConfig(
-                device=self.device, dtype=self.dtype, num_threads=self.num_threads, seed=self.seed,
-                quantization=self.quantization, cpu_kernels=self.cpu_kernels,
+                device=self.device, dtype=DTYPE_ALIASES.get(self.dtype, self.dtype),
+                num_threads=self.num_threads, seed=self.seed,
+                quantization=QUANTIZATION_ALIASES.get(self.quantization, self.quantization),
+                cpu_kernels=self.cpu_kernels,
                 fused_decoder_layers=self.fused_decoder_layers,
             ),
             speculative=_resolve_speculative_config(
@@ -227,6 +266,22 @@ class EngineArgs:
             profiler=self.create_profiler_config(),
         )
 
+    def _gpu_memory_utilization(self) -> float | None:
+        """The fraction that sizes the pool: only on cuda, and only without an explicit size."""
+        if self.gpu_memory_utilization is None:
+            return None
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if not self.device.startswith("cuda"):
+            logger.warning("--gpu-memory-utilization is ignored on the CPU: size the KV pool with "
+                           "--kv-cache-memory-bytes (now %s)",
+                           self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+            return None
+        if self.kv_cache_memory is not None:
+            return None  # as in vLLM, an explicit size wins
+        return self.gpu_memory_utilization
+
     def create_parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
@@ -236,12 +291,13 @@ class EngineArgs:
         )
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
-            if f.name == "model" and not with_model:
-                continue
             flag = "--" + f.name.replace("_", "-")
-            if f.name in _SHORT_FLAGS:
+            if f.name == "quantization":
+                parser.add_argument(flag, "-q", default=f.default,
+                                    choices=QUANTIZATION_MODES + tuple(QUANTIZATION_ALIASES))
+            elif f.name in _SHORT_FLAGS:
                 parser.add_argument(flag, _SHORT_FLAGS[f.name], type=int, default=f.default)
             elif f.name == "cpu_binding":
                 parser.add_argument(flag, choices=CPU_BINDING_MODES, default=f.default)
@@ -249,9 +305,20 @@ class EngineArgs:
                 default = (f.default if f.default_factory is dataclasses.MISSING
                            else f.default_factory())  # the env-backed switches
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads",
-                            "max_cpu_loras"):
+            elif f.name == "max_model_len":
+                parser.add_argument(flag, type=human_readable_int, default=f.default,
+                                    help="tokens, e.g. 4096, 32k, 32K (default: the model's)")
+            elif f.name in ("num_gpu_blocks_override", "num_threads", "max_cpu_loras"):
                 parser.add_argument(flag, type=int, default=f.default)
+            elif f.name == "gpu_memory_utilization":
+                parser.add_argument(flag, type=float, default=None,
+                                    help="cuda: fraction of device memory for weights and KV; "
+                                         "ignored on the CPU")
+            elif f.name == "dtype":
+                parser.add_argument(flag, default=f.default,
+                                    choices=("bfloat16", "float32", "float16", *DTYPE_ALIASES))
+            elif f.name == "tokenizer":
+                parser.add_argument(flag, default=None, help="the model itself (vLLM's flag)")
             elif f.name == "speculative_config":
                 parser.add_argument(flag, type=str, default=None,
                                     help='JSON, e.g. {"method": "ngram", '
@@ -261,16 +328,16 @@ class EngineArgs:
                                     help='JSON, e.g. {"kv_connector": "DiskConnector", '
                                          '"kv_connector_extra_config": {"path": "/tmp/kv"}}')
             elif f.name == "kv_cache_dtype":
-                parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=f.default)
-            elif f.name == "quantization":
-                parser.add_argument(flag, choices=QUANTIZATION_MODES, default=f.default)
+                parser.add_argument(flag, choices=KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES),
+                                    default=f.default)
             elif f.name == "profiler_dir":
                 parser.add_argument(flag, type=str, default=f.default_factory(),
                                     help="write torch.profiler traces here between "
                                          "/start_profile and /stop_profile (default: "
                                          f"${PROFILER_DIR_ENV}, else profiling is off)")
             elif f.name == "kv_cache_memory":
-                parser.add_argument(flag, type=str, default=f.default, help="e.g. 512MiB, 4GiB")
+                parser.add_argument(flag, _VLLM_FLAG_ALIASES[f.name], type=str, default=None,
+                                    help=f"e.g. 512MiB, 4GiB (default {DEFAULT_KV_CACHE_MEMORY})")
             else:
                 parser.add_argument(flag, type=type(f.default), default=f.default)
 

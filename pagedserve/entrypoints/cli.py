@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.entrypoints.vllm_flags import OneLineErrorParser, parse_args_or_exit
 from pagedserve.executor import ExecutorError
 
 
@@ -119,7 +120,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(prog="pagedserve", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="complete prompts and print the results")
@@ -135,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
 
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                                allow_abbrev=False)
     from pagedserve.entrypoints.openai import api_server
 
     api_server.add_cli_args(serve)
@@ -185,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args_or_exit(build_parser(), argv)
     try:
         return args.func(args)
     except (ValueError, ExecutorError) as error:  # bad input, or workers that did not start

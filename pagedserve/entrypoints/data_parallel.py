@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -29,8 +30,11 @@ from pagedserve.distributed.cpu_binding import cpu_share, usable_cpus
 logger = logging.getLogger(__name__)
 
 _FRONT_FLAGS = frozenset({"data_parallel_size", "dp_policy", "host", "port", "num_threads",
-                          "api_key"})
-"""Flags the front owns (dests); every other `serve` flag reaches each replica unchanged."""
+                          "api_key", "root_path", "allowed_origins", "allowed_methods",
+                          "allowed_headers", "allow_credentials", "ssl_keyfile", "ssl_certfile",
+                          "ssl_ca_certs", "ssl_cert_reqs"})
+"""Flags the front owns (dests), or that only a client-facing server may take (the replicas
+speak plain HTTP to the front); every other `serve` flag reaches each replica unchanged."""
 _REPLICA_HOST = "127.0.0.1"
 _POLL_INTERVAL_S = 0.2
 """How often the front looks at the replicas' processes (and, while starting, their /health)."""
@@ -95,8 +99,9 @@ def replica_flags(args: argparse.Namespace) -> list[str]:
         if action.dest in _FRONT_FLAGS or action.dest == "help" or not hasattr(args, action.dest):
             continue
         value = getattr(args, action.dest)
-        if not action.option_strings:  # the positional MODEL: always, and first
-            flags.insert(0, str(value))
+        if not action.option_strings:  # the positional MODEL: first (else --model carries it)
+            if value is not None:
+                flags.insert(0, str(value))
         elif value == action.default or value is None:
             continue
         elif isinstance(action, argparse.BooleanOptionalAction):
@@ -104,6 +109,8 @@ def replica_flags(args: argparse.Namespace) -> list[str]:
             flags.append(long_flag if value else "--no-" + long_flag.removeprefix("--"))
         elif action.nargs == 0:  # store_true: only a True differs from the default
             flags.append(action.option_strings[0])
+        elif isinstance(value, dict):  # a JSON object flag
+            flags += [action.option_strings[0], json.dumps(value)]
         elif isinstance(value, list):  # nargs="+": --lora-modules a=x b=y
             flags += [action.option_strings[0], *map(str, value)]
         else:

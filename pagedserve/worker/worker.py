@@ -141,7 +141,17 @@ class Worker:
         cache = self.config.cache
         if cache.num_gpu_blocks_override:
             return cache.num_gpu_blocks_override
-        return max(2, cache.kv_cache_memory_bytes // self.model_runner.kv_cache_bytes_per_block)
+        budget_bytes = cache.kv_cache_memory_bytes
+        if cache.gpu_memory_utilization is not None and self.device.type == "cuda":
+            # The weights are loaded: the pool gets the fraction's rest (no activation profile).
+            total_bytes = torch.cuda.get_device_properties(self.device).total_memory
+            allocated_bytes = torch.cuda.memory_allocated(self.device)
+            budget_bytes = int(cache.gpu_memory_utilization * total_bytes) - allocated_bytes
+            if budget_bytes <= 0:
+                raise ValueError(
+                    f"gpu_memory_utilization {cache.gpu_memory_utilization} leaves no memory for "
+                    f"the KV cache: {allocated_bytes} of {total_bytes} bytes are in use")
+        return max(2, budget_bytes // self.model_runner.kv_cache_bytes_per_block)
 
     def _kernel_config(self) -> cpu_ops.KernelConfig:
         device = self.config.device

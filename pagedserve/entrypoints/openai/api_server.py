@@ -22,8 +22,10 @@ import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedserve
@@ -32,6 +34,7 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.llm_engine import EngineBusyError, LLMEngine
 from pagedserve.executor import ExecutorError
 from pagedserve.executor.multiproc import run_headless
+from pagedserve.entrypoints import vllm_flags
 from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.auth import check_api_key, header
 from pagedserve.entrypoints.openai.dashboard import DASHBOARD_PATH, add_dashboard_routes
@@ -41,6 +44,7 @@ from pagedserve.entrypoints.openai.errors import (
     bad_request,
     from_validation_error,
 )
+from pagedserve.entrypoints.openai.frontend_options import FrontendOptions, load_chat_template
 from pagedserve.entrypoints.openai.generation import EventStream
 from pagedserve.entrypoints.openai.observability_routes import (
     add_profiler_routes,
@@ -84,7 +88,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str = DEFAULT_MODEL
-    """The one name /v1/models lists and requests must use (or omit)."""
+    """The model's name in /v1/models and metrics; requests may use it (or omit it), or one of
+    frontend.served_model_aliases."""
     api_key: str | None = None
     """If set, every route but /health and /load needs `Authorization: Bearer <api_key>`."""
     max_num_waiting: int = 512
@@ -107,6 +112,31 @@ class ServerConfig:
     dropped first)."""
     otlp_traces_endpoint: str | None = None
     """Export an OpenTelemetry span per finished request here (OTLP/HTTP protobuf)."""
+    frontend: FrontendOptions = FrontendOptions()
+    """The chat template, logprobs cap and token spelling (frontend_options.py)."""
+    enable_log_requests: bool = False
+    """Log each request's route and JSON body at INFO (vLLM: off by default too)."""
+    max_log_len: int | None = None
+    """Characters of a logged body (None: all)."""
+    root_path: str = ""
+    """The prefix a path-routing proxy in front strips (ASGI's root_path, set by uvicorn):
+    requests arrive without it, links and the OpenAPI schema carry it."""
+    cors_allowed_origins: tuple[str, ...] | None = None
+    """CORS is on exactly when this is set (vLLM's default is every origin; ours is off)."""
+    cors_allowed_methods: tuple[str, ...] = ("*",)
+    cors_allowed_headers: tuple[str, ...] = ("*",)
+    cors_allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    """With ssl_certfile: serve HTTPS."""
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    """Client certificates: 0 none, 1 optional, 2 required (the ssl module's CERT_*)."""
+    uvicorn_log_level: str | None = None
+    """uvicorn's own log level; None: log_level."""
+    disable_uvicorn_access_log: bool = False
+    disable_fastapi_docs: bool = False
+    """No /docs, /redoc and /openapi.json."""
 
     def __post_init__(self) -> None:
         if self.max_num_waiting < 0:
@@ -129,13 +159,25 @@ class ServerConfig:
             from pagedserve.observability.tracing import check_endpoint
 
             check_endpoint(self.otlp_traces_endpoint)  # before the model loads
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"--{name.replace('_', '-')} {path!r}: no such file")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"--root-path must start with / and not end with one, got "
+                             f"{self.root_path!r}")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
+        names = args.served_model_name or [model_arg(args)]
         return cls(
             host=args.host,
             port=args.port,
-            served_model_name=args.served_model_name or args.model,
+            served_model_name=names[0],
             api_key=args.api_key,
             max_num_waiting=args.max_num_waiting,
             max_request_body_bytes=args.max_request_body_bytes,
@@ -148,6 +190,29 @@ class ServerConfig:
             timeline_history=args.timeline_history,
             responses_store_size=args.responses_store_size,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
+            frontend=FrontendOptions(
+                served_model_aliases=tuple(names[1:]),
+                chat_template=load_chat_template(args.chat_template),
+                trust_request_chat_template=args.trust_request_chat_template,
+                default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+                max_logprobs=args.max_logprobs,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            ),
+            enable_log_requests=args.enable_log_requests and not args.disable_log_requests,
+            max_log_len=args.max_log_len,
+            root_path=args.root_path or "",
+            cors_allowed_origins=(tuple(args.allowed_origins)
+                                  if args.allowed_origins is not None else None),
+            cors_allowed_methods=tuple(args.allowed_methods),
+            cors_allowed_headers=tuple(args.allowed_headers),
+            cors_allow_credentials=args.allow_credentials,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
+            uvicorn_log_level=args.uvicorn_log_level,
+            disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+            disable_fastapi_docs=args.disable_fastapi_docs,
         )
 
 
@@ -186,7 +251,7 @@ class _RequestGate:
         await error.response(headers)(scope, receive, send)
 
     def _check(self, scope: Scope) -> APIError | None:
-        config, path = self.state.config, scope["path"]
+        config, path = self.state.config, get_route_path(scope)  # without --root-path's prefix
         if config.api_key is not None and path not in _UNAUTHENTICATED_PATHS:
             error = check_api_key(scope, config.api_key)
             if error is not None:
@@ -296,17 +361,28 @@ def build_app(
     if timelines is None:
         timelines = TimelineStore(config.timeline_history)
         async_llm.engine.events.subscribe(timelines.on_events)
-    serving = OpenAIServing(async_llm, config.served_model_name, lora, timelines)
+    serving = OpenAIServing(async_llm, config.served_model_name, lora, timelines,
+                            config.frontend)
     state = ServerState(config)
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__)
+    docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None,
+                                                        "openapi_url": None}
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, **docs)
     app.state.server = state
     app.state.lora = lora
     app.state.timelines = timelines
     app.add_middleware(_RequestGate, state=state)
+    if config.cors_allowed_origins is not None:
+        # Added after the gate, so it runs first: a browser's preflight carries no API key.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_allowed_origins),
+                           allow_methods=list(config.cors_allowed_methods),
+                           allow_headers=list(config.cors_allowed_headers),
+                           allow_credentials=config.cors_allow_credentials)
     add_exception_handlers(app)
 
     async def read_request(raw_request: Request, model: type[RequestT]) -> RequestT:
         data = await _read_json(raw_request, state.config.max_request_body_bytes)
+        if state.config.enable_log_requests and isinstance(data, dict):
+            _log_request(raw_request, data, state.config.max_log_len)
         try:
             return model.model_validate(data)
         except ValidationError as error:
@@ -480,6 +556,13 @@ def _add_lifecycle_routes(app: FastAPI, async_llm: AsyncLLM,
         return {"is_sleeping": async_llm.is_sleeping}
 
 
+def _log_request(raw_request: Request, body: dict, max_log_len: int | None) -> None:
+    text = json.dumps(body, ensure_ascii=False)
+    if max_log_len is not None and len(text) > max_log_len:
+        text = text[:max_log_len] + "..."
+    logger.info("request %s %s: %s", raw_request.method, raw_request.url.path, text)
+
+
 async def _read_json(raw_request: Request, max_num_bytes: int) -> dict:
     """The body as a JSON object; the limit also holds for bodies without a Content-Length."""
     body = bytearray()
@@ -544,6 +627,17 @@ class _DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
+    """The listener: address, TLS, root path, uvicorn's logging."""
+    return uvicorn.Config(
+        app, host=config.host, port=config.port, root_path=config.root_path,
+        log_level=config.uvicorn_log_level or config.log_level,
+        access_log=not config.disable_uvicorn_access_log,
+        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+        ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
+        timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT)
+
+
 async def serve_app(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> bool:
     """Serve until SIGTERM/SIGINT, drain the engine, then stop it. Returns False if a second
     signal cut the drain short."""
@@ -570,10 +664,7 @@ async def serve_app(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> 
     except BaseException:
         await async_llm.shutdown(drain_timeout=0)
         raise
-    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port,
-                                    log_level=config.log_level,
-                                    timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT)
-    server = _DrainingServer(uvicorn_config, drain)
+    server = _DrainingServer(uvicorn_config(app, config), drain)
 
     async def exit_when_engine_dies() -> None:
         while not async_llm.errored:
@@ -605,6 +696,8 @@ def run_server(args: argparse.Namespace) -> int:
     """Load the engine named by `args` and serve it; returns the exit code."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    vllm_flags.warn_ignored(args)
+    args.model = model_arg(args)  # the CLI's edge: the rest reads args.model
     if args.data_parallel_size != 1:
         from pagedserve.entrypoints.data_parallel import run_data_parallel
 
@@ -633,16 +726,23 @@ def run_server(args: argparse.Namespace) -> int:
     return 0 if clean else 1
 
 
+def model_arg(args: argparse.Namespace) -> str:
+    """The model to serve: the positional MODEL, else --model."""
+    return getattr(args, "model_tag", None) or args.model
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """`[MODEL]`, the engine's flags, and the server's."""
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                        help=f"a short model name, GGUF file or HF directory ({DEFAULT_MODEL})")
-    EngineArgs.add_cli_args(parser, with_model=False)
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help=f"a short model name, GGUF file or HF directory ({DEFAULT_MODEL}); "
+                             "wins over --model, as in vLLM")
+    EngineArgs.add_cli_args(parser)  # --model among them
     group = parser.add_argument_group("server")
     group.add_argument("--host", default=ServerConfig.host)
     group.add_argument("--port", type=int, default=ServerConfig.port)
-    group.add_argument("--served-model-name", default=None,
-                       help="the model name clients use (default: MODEL as given)")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model's names for clients; the first is the one /v1/models "
+                            "lists (default: MODEL as given)")
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on every route but /health "
                             "and /load (default: $PAGEDSERVE_API_KEY)")
@@ -686,13 +786,83 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="no periodic 'Engine 000: Avg prompt throughput ...' log line")
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between those lines (10)")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request's route and JSON body at INFO")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="the default; wins over --enable-log-requests (vLLM's older flag)")
+    group.add_argument("--max-log-len", type=int, default=None,
+                       help="characters of a logged request body (default: all)")
+    group.add_argument("--uvicorn-log-level", default=None,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's log level (default: --log-level)")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="no /docs, /redoc, /openapi.json")
+    group.add_argument("--distributed-executor-backend", choices=["mp", "uni"], default=None,
+                       help="vLLM's; pagedserve always runs its own worker processes")
+    _add_http_args(parser.add_argument_group("HTTP: path, CORS, TLS"))
+    _add_chat_args(parser.add_argument_group("chat and logprobs"))
+    vllm_flags.add_ignored_args(parser)
+
+
+def _json_string_list(value: str) -> list[str]:
+    """vLLM's form of --allowed-origins & co: a JSON list of strings."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {value!r}") from None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {value!r}")
+    return items
+
+
+def _json_object(value: str) -> dict:
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {value!r}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {value!r}")
+    return obj
+
+
+def _add_http_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--root-path", default=None,
+                       help="the path prefix a path-routing proxy in front strips, e.g. /llm")
+    group.add_argument("--allowed-origins", type=_json_string_list, default=None,
+                       help='CORS, off unless given: a JSON list, e.g. \'["https://app.example"]\' '
+                            "or '[\"*\"]'")
+    group.add_argument("--allowed-methods", type=_json_string_list,
+                       default=list(ServerConfig.cors_allowed_methods), help='CORS (["*"])')
+    group.add_argument("--allowed-headers", type=_json_string_list,
+                       default=list(ServerConfig.cors_allowed_headers), help='CORS (["*"])')
+    group.add_argument("--allow-credentials", action="store_true", help="CORS")
+    group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key ...")
+    group.add_argument("--ssl-certfile", default=None, help="... and this certificate")
+    group.add_argument("--ssl-ca-certs", default=None, help="CA certificates for clients")
+    group.add_argument("--ssl-cert-reqs", type=int, default=0,
+                       help="client certificates: 0 none, 1 optional, 2 required")
+
+
+def _add_chat_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja file, or the template inline, replacing the model's")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a request's own chat_template (else: 400)")
+    group.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                       help='JSON object passed to every render, e.g. \'{"enable_thinking": '
+                            "false}'; a request's chat_template_kwargs win")
+    group.add_argument("--max-logprobs", type=int, default=FrontendOptions.max_logprobs,
+                       help="most logprobs / top_logprobs a request may ask for")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprob tokens read token_id:N")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedserve serve",
-                                     description="An OpenAI-compatible HTTP server.")
+    parser = vllm_flags.OneLineErrorParser(prog="pagedserve serve", allow_abbrev=False,
+                                           description="An OpenAI-compatible HTTP server.")
     add_cli_args(parser)
-    args = parser.parse_args(argv)
+    args = vllm_flags.parse_args_or_exit(parser, argv)
     try:
         return run_server(args)
     except (ValueError, ExecutorError) as error:  # bad flags, or workers that failed to start

@@ -11,7 +11,14 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_N = 16
 """Most completions per prompt (n)."""
@@ -219,12 +226,41 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(GenerationRequest):
+# ---- vLLM's chat template fields (chat completions and /tokenize with messages) ----
+
+MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
+"""Longest chat_template a request may send."""
+
+
+class ChatTemplateFields(RequestModel):
+    """How the conversation becomes the prompt (vLLM's extras)."""
+
+    add_generation_prompt: bool = True
+    """End with the assistant turn's opening, so that the model answers."""
+    continue_final_message: bool = False
+    """End inside the final message, so that the model continues it (needs
+    add_generation_prompt=false, as in vLLM)."""
+    chat_template: str | None = Field(default=None, min_length=1,
+                                      max_length=MAX_CHAT_TEMPLATE_CHARS)
+    """This request's own template (the server needs --trust-request-chat-template)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More template variables, e.g. {"enable_thinking": false}."""
+
+    @model_validator(mode="after")
+    def _check_continuation(self) -> ChatTemplateFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true (set add_generation_prompt to false)")
+        return self
+
+# ---- end of the chat template fields ----
+
+
+class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default: "auto" when tools are given, else "none"."""
@@ -258,14 +294,13 @@ class UnloadLoRAAdapterRequest(RequestModel):
     lora_int_id: int | None = None
 
 
-class TokenizeRequest(RequestModel):
+class TokenizeRequest(ChatTemplateFields):
     """Exactly one of `prompt` (plain text) and `messages` (rendered with the chat template)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(RequestModel):

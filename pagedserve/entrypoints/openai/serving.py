@@ -23,6 +23,7 @@ from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineDrainin
 from pagedserve.engine.llm_engine import EngineSleepingError
 from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
+from pagedserve.entrypoints.openai.frontend_options import FrontendOptions
 from pagedserve.entrypoints.openai.generation import EventStream, Generation
 from pagedserve.entrypoints.openai.serving_lora import LoRAServing
 from pagedserve.entrypoints.openai.tool_parsers import (
@@ -306,11 +307,13 @@ class OpenAIServing:
     """The OpenAI API over one AsyncLLM. Each public coroutine raises APIError for bad requests."""
 
     def __init__(self, async_llm: AsyncLLM, served_model_name: str,
-                 lora: LoRAServing | None = None, timelines: TimelineStore | None = None
-                 ) -> None:
+                 lora: LoRAServing | None = None, timelines: TimelineStore | None = None,
+                 options: FrontendOptions | None = None) -> None:
         """lora: the LoRA adapters requests may name as `model` (None: LoRA is off).
-        timelines: where requests' timelines are kept (None: return_timeline gives none)."""
+        timelines: where requests' timelines are kept (None: return_timeline gives none).
+        options: the server flags' effect on answers (names, chat template, logprobs)."""
         self.async_llm = async_llm
+        self.options = options or FrontendOptions()
         self.timelines = timelines
         self.tokenizer = async_llm.tokenizer
         self.served_model_name = served_model_name
@@ -322,6 +325,7 @@ class OpenAIServing:
 
     def models(self) -> p.ModelList:
         cards = [self.model_card()]
+        cards += [self.model_card(alias) for alias in self.options.served_model_aliases]
         if self.lora is not None:
             cards += self.lora.model_cards(self.max_model_len)
         return p.ModelList(data=cards)
@@ -330,12 +334,14 @@ class OpenAIServing:
         """The card of the base model, or of the adapter named `model_id`."""
         if self.check_model(model_id) is not None:
             return self.lora.model_card(model_id, self.max_model_len)
-        return p.ModelCard(id=self.served_model_name, max_model_len=self.max_model_len,
+        name = model_id if model_id in self.options.served_model_aliases else self.served_model_name
+        return p.ModelCard(id=name, max_model_len=self.max_model_len,
                            root=self.served_model_name)
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter `model` names (None: the base model); 404 for an unknown name."""
-        if model is None or model == self.served_model_name:
+        if (model is None or model == self.served_model_name
+                or model in self.options.served_model_aliases):
             return None
         lora = self.lora.lookup(model) if self.lora is not None else None
         if lora is None:
@@ -362,6 +368,7 @@ class OpenAIServing:
         if len(prompts) * request.n > p.MAX_PROMPTS:
             raise bad_request(f"n ({request.n}) times the number of prompts ({len(prompts)}) "
                               f"must be at most {p.MAX_PROMPTS}", "n")
+        self._check_num_logprobs(request.logprobs, "logprobs")
         echo_logprobs = request.logprobs if request.echo else None
         constraint = await self._structured_outputs(request)
         params = [self._sampling_params(request, prompt, request.max_tokens, default_max_tokens=16,
@@ -380,13 +387,13 @@ class OpenAIServing:
         self._check_common(request)
         if request.top_logprobs and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        self._check_num_logprobs(request.top_logprobs, "top_logprobs")
         try:
             tool_plan = plan_tools(request)
         except ValueError as error:
             raise bad_request(str(error), "tool_choice" if request.tools else "tools") from None
         constraint = await self._structured_outputs(request, tool_plan)
-        prompt = await self._chat_prompt(request.messages, request.add_generation_prompt,
-                                         tool_plan.tools_in_prompt)
+        prompt = await self._chat_prompt(request.messages, request, tool_plan.tools_in_prompt)
         max_tokens = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -408,8 +415,7 @@ class OpenAIServing:
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if request.messages is not None:
-            token_ids = (await self._chat_prompt(request.messages,
-                                                 request.add_generation_prompt)).token_ids
+            token_ids = (await self._chat_prompt(request.messages, request)).token_ids
         else:
             token_ids = await asyncio.to_thread(self.tokenizer.encode, request.prompt,
                                                 request.add_special_tokens)
@@ -440,14 +446,25 @@ class OpenAIServing:
             self._check_token_ids(prompt_input.token_ids, "prompt")
         return prompts
 
-    async def _chat_prompt(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
+    async def _chat_prompt(self, messages: list[p.ChatMessage], fields: p.ChatTemplateFields,
                            tools: list[p.ChatTool] | None = None) -> PromptInput:
+        chat_template = self.options.chat_template
+        if fields.chat_template is not None:
+            if not self.options.trust_request_chat_template:
+                raise bad_request("this server does not render a request's own chat_template "
+                                  "(start it with --trust-request-chat-template)",
+                                  "chat_template")
+            chat_template = fields.chat_template
         conversation, template_tools = template_messages(
-            messages, tools, self.tokenizer.supports_tools_in_template)
+            messages, tools, self.tokenizer.supports_tools_in_template(chat_template))
+        template_kwargs = self.options.template_kwargs(fields.chat_template_kwargs)
 
         def render() -> tuple[str, list[int]]:
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tools=template_tools)
+                conversation, add_generation_prompt=fields.add_generation_prompt,
+                tools=template_tools, chat_template=chat_template,
+                continue_final_message=fields.continue_final_message,
+                template_kwargs=template_kwargs)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
 
         try:
@@ -457,6 +474,11 @@ class OpenAIServing:
         if not token_ids:
             raise bad_request("the rendered conversation is empty", "messages")
         return PromptInput(token_ids, text)
+
+    def _check_num_logprobs(self, num_logprobs: int | None, param: str) -> None:
+        if num_logprobs is not None and num_logprobs > self.options.max_logprobs:
+            raise bad_request(f"{param} must be at most {self.options.max_logprobs} on this "
+                              f"server (--max-logprobs), got {num_logprobs}", param)
 
     def _check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         for token_id in token_ids:
@@ -689,17 +711,18 @@ class OpenAIServing:
         offset = first_offset
         for token_id, position in zip(token_ids, positions):
             if position is None or token_id not in position:
-                token = self.tokenizer.decode_token(token_id)
+                text = self.tokenizer.decode_token(token_id)
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
             else:
-                token = position[token_id].decoded_token or ""
+                text = position[token_id].decoded_token or ""
                 result.token_logprobs.append(_clamp(position[token_id].logprob))
-                result.top_logprobs.append({(lp.decoded_token or ""): _clamp(lp.logprob)
-                                            for lp in position.values()})
-            result.tokens.append(token)
+                result.top_logprobs.append({self._logprob_token(top_id, lp.decoded_token):
+                                            _clamp(lp.logprob)
+                                            for top_id, lp in position.items()})
+            result.tokens.append(self._logprob_token(token_id, text))
             result.text_offset.append(offset)
-            offset += len(token)
+            offset += len(text)  # offsets count text, whatever the token's spelling
         return result
 
     def chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs],
@@ -707,13 +730,22 @@ class OpenAIServing:
         content = []
         for token_id, position in zip(token_ids, positions):
             chosen = position[token_id]
-            top = sorted((lp for lp in position.values() if lp.rank is not None
-                          and lp.rank <= num_top), key=lambda lp: lp.rank)[:num_top]
+            top = sorted(((top_id, lp) for top_id, lp in position.items()
+                          if lp.rank is not None and lp.rank <= num_top),
+                         key=lambda item: item[1].rank)[:num_top]
             content.append(p.ChatLogProbsContent(
-                token=chosen.decoded_token or "", logprob=_clamp(chosen.logprob),
+                token=self._logprob_token(token_id, chosen.decoded_token),
+                logprob=_clamp(chosen.logprob),
                 bytes=list((chosen.decoded_token or "").encode()),
-                top_logprobs=[p.ChatLogProb(token=lp.decoded_token or "",
+                top_logprobs=[p.ChatLogProb(token=self._logprob_token(top_id, lp.decoded_token),
                                             logprob=_clamp(lp.logprob),
                                             bytes=list((lp.decoded_token or "").encode()))
-                              for lp in top]))
+                              for top_id, lp in top]))
         return p.ChatLogProbs(content=content)
+
+    def _logprob_token(self, token_id: int, decoded_token: str | None) -> str:
+        """A logprob entry's `token`: its text, or with --return-tokens-as-token-ids
+        "token_id:N" (vLLM's spelling; exact where a token is part of a UTF-8 character)."""
+        if self.options.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return decoded_token or ""
