@@ -8,8 +8,6 @@ never learn which format their weights came from.
 
 from __future__ import annotations
 
-import functools
-
 import hashlib
 import json
 import os
@@ -127,14 +125,9 @@ def _assemble(part_paths: list[str], target: str, sha256: str | None) -> None:
 
 
 def load_model_config(path: str) -> ModelConfig:
-    """Read a GGUF file's metadata or an HF directory's config.json (see resolve_model_path)."""
-    return _load_model_config_cached(os.path.realpath(path), os.path.getmtime(path))
-
-
-@functools.lru_cache(maxsize=8)
-def _load_model_config_cached(path: str, mtime: float) -> ModelConfig:
-    # Parsing a GGUF header reads every vocabulary entry (seconds); the config is frozen, so
-    # engines built on the same unchanged file share one.
+    """Read a GGUF file's metadata or an HF directory's config.json (see resolve_model_path).
+    A GGUF header is parsed once per file and shared with the tokenizer and the weights
+    (gguf_header.py)."""
     return _load_hf_config(path) if _is_hf_dir(path) else load_gguf_config(path)
 
 
