@@ -9,6 +9,7 @@ dequantizes.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ import torch
 from pagedserve.config import ModelConfig
 from pagedserve.layers.quantized import PACKABLE_TYPES, GGUFQuantWeight, decode_gguf_blocks
 from pagedserve.models.gguf_header import GGUFHeader, read_gguf_header, tensor_data
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
 
@@ -41,6 +44,8 @@ _BLOCK_TENSOR_NAMES = {
 }
 _BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _CHAT_TURN_END_TOKEN = "<|im_end|>"
+PROGRESS_MIN_BYTES = 200 * 2**20
+"""A file with at least this many bytes of tensors logs its loading progress every 10%."""
 
 
 def load_gguf_config(path: str) -> ModelConfig:
@@ -58,7 +63,14 @@ def iter_gguf_weights(
     header = read_gguf_header(path)
     config = _read_config(header, path)
     file_data = np.memmap(path, mode="r")
+    total_bytes = sum(tensor.num_bytes for tensor in header.tensors)
+    done_bytes, reported_tenths = 0, 0
     for tensor in header.tensors:
+        done_bytes += tensor.num_bytes
+        if total_bytes >= PROGRESS_MIN_BYTES and done_bytes * 10 // total_bytes > reported_tenths:
+            reported_tenths = done_bytes * 10 // total_bytes
+            logger.info("startup: weights  %3d%%  %.0f of %.0f MiB read", reported_tenths * 10,
+                        done_bytes / 2**20, total_bytes / 2**20)
         hf_name = _hf_tensor_name(tensor.name, path)
         shape = tuple(reversed(tensor.shape))  # GGUF lists dims innermost first
         data = tensor_data(file_data, header.byte_order, tensor)

@@ -24,6 +24,7 @@ from pagedserve.kernels.cpu_ops import KernelConfig
 from pagedserve.layers.quantized import GGUFQuantWeight
 from pagedserve.models import get_model_class
 from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
+from pagedserve.observability.startup import startup_phase
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -128,7 +129,11 @@ def load_model_config(path: str) -> ModelConfig:
     """Read a GGUF file's metadata or an HF directory's config.json (see resolve_model_path).
     A GGUF header is parsed once per file and shared with the tokenizer and the weights
     (gguf_header.py)."""
-    return _load_hf_config(path) if _is_hf_dir(path) else load_gguf_config(path)
+    with startup_phase("config") as phase:
+        config = _load_hf_config(path) if _is_hf_dir(path) else load_gguf_config(path)
+        phase.detail = (f"{config.name} ({config.architecture}, {config.num_hidden_layers} layers, "
+                        f"hidden {config.hidden_size}, vocab {config.vocab_size}) from {path}")
+    return config
 
 
 def iter_model_weights(
