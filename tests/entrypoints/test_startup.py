@@ -14,9 +14,9 @@ from tests.processes import ServedProcess, free_port, metric
 
 pytestmark = pytest.mark.slow
 
-HEALTHY_WITHIN_S = 60.0
-"""A regression guard, not a benchmark: ~5 s on a quiet machine; 49 s before the kernels were
-built at install and the GGUF header read once."""
+HEALTHY_WITHIN_S = 120.0
+"""A regression guard, not a benchmark (generous for a loaded machine): a few seconds when quiet;
+53 s before the kernels were built at install and the GGUF header read once."""
 PHASES = ("config", "tokenizer", "kernels", "weights", "KV pool", "warm-up")
 """In the order they run; then the server listens."""
 PROMPT_TOKENS = "pagedserve:prompt_tokens_computed_total"
