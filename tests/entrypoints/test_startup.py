@@ -27,7 +27,10 @@ def test_serve_is_healthy_soon_logs_its_phases_and_compiles_nothing(tmp_path):
 
     extensions_dir = tmp_path / "torch_extensions"  # where a serve-time build would write
     port = free_port()
-    with ServedProcess(["serve", MODEL_NAME, "--port", str(port), "--kv-cache-memory", "128MiB"],
+    # One thread: two OpenMP threads on a loaded machine (the suite beside a CPU burner) wait on
+    # each other's time slices, and loading alone took over a minute that way.
+    with ServedProcess(["serve", MODEL_NAME, "--port", str(port), "--kv-cache-memory", "128MiB",
+                        "--num-threads", "1"],
                        tmp_path / "serve.log", f"http://127.0.0.1:{port}",
                        start_timeout_s=HEALTHY_WITHIN_S,
                        env={"TORCH_EXTENSIONS_DIR": str(extensions_dir)}) as server:
