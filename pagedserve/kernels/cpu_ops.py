@@ -99,7 +99,11 @@ def load() -> ModuleType | None:
         except ImportError as error:
             module, reason = None, f"the C++ CPU kernels are not built ({error})"
         else:
-            reason = refusal(module, extension_build.source_hash(), extension_build.cpu_flags())
+            try:
+                expected_hash = extension_build.source_hash()
+            except OSError as error:  # a package shipped without csrc/: nothing to check against
+                expected_hash = f"unreadable ({error})"
+            reason = refusal(module, expected_hash, extension_build.cpu_flags())
             if reason is not None:
                 module, reason = None, f"refused: {reason}"
         if module is None:

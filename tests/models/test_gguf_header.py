@@ -117,3 +117,23 @@ def test_not_a_gguf_file_is_refused(tmp_path):
     path.write_bytes(b"NOPE" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_header(path)
+
+
+@pytest.mark.slow
+def test_large_files_log_their_loading_progress(model_path, monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from pagedserve.models import gguf_loader
+
+    monkeypatch.setattr(gguf_loader, "PROGRESS_MIN_BYTES", 0)  # the default model counts as large
+    with caplog.at_level(logging.INFO, logger=gguf_loader.__name__):
+        num_weights = sum(1 for _ in gguf_loader.iter_gguf_weights(model_path, torch.bfloat16,
+                                                                   keep_packed=True))
+    progress = [r.getMessage() for r in caplog.records if "startup: weights" in r.getMessage()]
+    assert num_weights == 272
+    percents = [int(line.split("%")[0].split()[-1]) for line in progress]
+    # Every 10% (a tensor larger than a tenth of the file skips some), ending at 100%.
+    assert len(percents) >= 5 and percents == sorted(set(percents)) and percents[-1] == 100
+    assert all(p % 10 == 0 for p in percents)
