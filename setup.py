@@ -60,7 +60,8 @@ def _kernel_build_options() -> dict:
             except Exception as error:  # torch raises RuntimeError, setuptools its own errors
                 _warn(f"the C++ CPU kernels failed to build ({type(error).__name__}: {error}); "
                       "serving uses the slower torch path. Rebuild them with: "
-                      "python setup.py build_ext --inplace")
+                      "pip install --no-build-isolation . (in a checkout: "
+                      "python setup.py build_ext --inplace)")
 
     return {"ext_modules": [extension], "cmdclass": {"build_ext": OptionalBuildExtension}}
 

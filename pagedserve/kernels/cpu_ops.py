@@ -30,7 +30,8 @@ from pagedserve.observability.startup import startup_phase
 
 logger = logging.getLogger(__name__)
 
-REBUILD_HINT = "rebuild them with: python setup.py build_ext --inplace"
+REBUILD_HINT = ("build them with `pip install --no-build-isolation .` once torch is installed (in "
+                "a checkout: `python setup.py build_ext --inplace`)")
 
 
 @dataclass(frozen=True)
