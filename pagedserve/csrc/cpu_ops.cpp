@@ -1,6 +1,6 @@
 // CPU kernels: the quantized matmul on GGUF codes, paged attention (decode and flash-style
 // prefill), the elementwise ops around them, and the decoder layers as one call for small steps.
-// Built on first use by pagedserve/kernels/cpu_ops.py (torch.utils.cpp_extension); every op has a
+// Built at install by setup.py and loaded by pagedserve/kernels/cpu_ops.py; every op has a
 // plain-torch reference in the Python layers, and tests/kernels/ and tests/attention/ compare them.
 //
 // Statistics, scores and accumulators are fp32: bf16 inputs widen exactly, results round once when
@@ -9,6 +9,8 @@
 // token; pagedserve/attention/kv_cache.py), dequantizing each row as they load it.
 
 #include <torch/extension.h>
+
+#include "build_info.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -1349,6 +1351,8 @@ class DecoderStack {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("SOURCE_HASH") = PAGEDSERVE_STRINGIFY(PAGEDSERVE_SOURCE_HASH);
+  m.attr("BUILD_ISA") = pagedserve_build_isa();
   m.def("quant_linear", &quant_linear, "x @ W^T: GGUF-form 4/8-bit weights, int16/int8 activations");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm after an optional residual add");
   m.def("rotary_inplace", &rotary_inplace, "rotary embedding on q and k in place");

@@ -25,6 +25,7 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.warmup import warm_up
 from pagedserve.executor import Executor
 from pagedserve.kv_transfer.cost_model import PrefillProfile, PrefillTiming
 from pagedserve.kv_transfer.tiered import TieredConnectorScheduler, TieredOptions, parse_tiers
@@ -33,6 +34,7 @@ from pagedserve.lora.registry import Adapter, LoRARegistry
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.loader import load_model_config, resolve_model_path
 from pagedserve.observability import memory
+from pagedserve.observability.startup import startup_phase
 from pagedserve.observability.events import (
     AdmissionWaited,
     EventBus,
@@ -89,7 +91,11 @@ class LLMEngine:
         """tokenizer, model: already loaded ones to share (tests build many engines over one)."""
         self.config = config
         self._rss_at_start = memory.rss_bytes()
-        self.tokenizer = tokenizer or Tokenizer.from_path(config.model_path)
+        if tokenizer is None:
+            with startup_phase("tokenizer") as phase:
+                tokenizer = Tokenizer.from_path(config.model_path)
+                phase.detail = f"{tokenizer.vocab_size} tokens"
+        self.tokenizer = tokenizer
         self._tokenizer_bytes = (max(0, (memory.rss_bytes() or 0) - (self._rss_at_start or 0))
                                  if tokenizer is None else 0)
         """RSS growth while the tokenizer loaded (0 when it was handed in)."""
@@ -108,8 +114,11 @@ class LLMEngine:
         tier_options = (parse_tiers(config.kv_transfer, config.device.device)
                         if config.kv_transfer is not None else None)
         self.executor = Executor.create(config, model=model)
-        num_blocks = self.executor.determine_num_kv_blocks()
-        self.executor.initialize_kv_cache(num_blocks)
+        with startup_phase("KV pool") as phase:
+            num_blocks = self.executor.determine_num_kv_blocks()
+            self.executor.initialize_kv_cache(num_blocks)
+            phase.detail = (f"{num_blocks} blocks of {config.cache.block_size} tokens = "
+                            f"{num_blocks * config.cache.block_size} tokens")
         self.events = EventBus()
         """Request, step and block events (observability/events.py); subscribe to observe."""
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks=num_blocks,
@@ -176,6 +185,16 @@ class LLMEngine:
         return [PrefillTiming(num_tokens, context, min(
                     self.executor.time_prefill(num_tokens, context) for _ in range(2)))
                 for context in contexts]
+
+    def warm_up(self) -> None:
+        """Pay the first steps' one-time costs now (engine/warmup.py), not in the first request;
+        the server calls it before it answers /health. Leaves no trace: every KV block stays
+        free, the prefix cache and the metrics never see the steps."""
+        with startup_phase("warm-up") as phase:
+            num_blocks = self.scheduler.kv_cache_manager.block_pool.num_blocks
+            phase.detail = (warm_up(self.executor, self.config, num_blocks)
+                            or "skipped: the KV pool or step budget is too small")
+        self.assert_idle()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

@@ -1,9 +1,10 @@
-"""The compiled CPU kernels (csrc/cpu_ops.cpp), built on first use and cached across processes.
+"""The compiled CPU kernels (csrc/cpu_ops.cpp), built at install (setup.py), never at serve time.
 
-`load()` returns the extension module, or None where it cannot be had (no compiler, a build
-error): callers then keep their plain-torch path, which is also the reference the kernels are
-tested against. The build takes about 30 s once; torch caches it under $TORCH_EXTENSIONS_DIR
-(default ~/.cache/torch_extensions), keyed by the source's content.
+`load()` returns the extension module, or None where it cannot be used (not built, built from
+other sources, built for a CPU with instruction sets this one lacks): callers then keep their
+plain-torch path, which is also the reference the kernels are tested against. Either way one log
+line says which path serves and why. Rebuild after editing csrc/ with
+`python setup.py build_ext --inplace` (or `pip install --no-build-isolation -e .`).
 
 Whether to use them is not decided here: DeviceConfig.cpu_kernels (set at the edge, from
 --[no-]cpu-kernels or PAGEDSERVE_CPU_KERNELS) is read once by whoever builds the model, as a
@@ -16,43 +17,21 @@ construction and never looks again; the attention backend is chosen then too
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
+
+from pagedserve.kernels import extension_build
+from pagedserve.observability.startup import startup_phase
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
-_AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _compile_flags() -> list[str]:
-    flags = ["-O3", "-fopenmp", "-DNDEBUG"]
-    cpu = _cpu_flags()
-    if all(flag in cpu for flag in _AVX512_FLAGS):
-        # Named instruction sets, not -march=native: the cache may be shared by other CPUs.
-        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
-        if "avx512_vnni" in cpu:
-            flags.append("-mavx512vnni")
-        if "avx512_bf16" in cpu:
-            flags.append("-mavx512bf16")
-    return flags
+REBUILD_HINT = ("build them with `pip install --no-build-isolation .` once torch is installed (in "
+                "a checkout: `python setup.py build_ext --inplace`)")
 
 
 @dataclass(frozen=True)
@@ -97,43 +76,41 @@ def serves(x) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
 
-STALE_LOCK_S = 600.0
-"""A build lock older than this was left by a process killed mid-build (a build takes ~1 min)."""
-
-
-def _remove_stale_lock(build_directory: Path) -> None:
-    """torch serializes loads across processes with a lock file it removes when done; a process
-    killed while holding it (SIGKILL, or a worker stopped during start-up) leaves it behind, and
-    every later load would wait for it forever."""
-    lock = build_directory / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing a stale build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+def refusal(module: ModuleType, expected_hash: str, cpu_flags: set[str]) -> str | None:
+    """Why `module` must not serve (None: it may): built from sources other than the shipped
+    ones, or for instruction sets this CPU lacks (running it would crash the process)."""
+    built_hash = getattr(module, "SOURCE_HASH", "unknown")
+    if built_hash != expected_hash:
+        return (f"the built module ({module.__file__}) was compiled from other sources "
+                f"(hash {built_hash}, csrc/ now {expected_hash})")
+    missing = set(getattr(module, "BUILD_ISA", "").split()) - cpu_flags
+    if missing:
+        return f"the built module needs CPU instruction sets this CPU lacks: {sorted(missing)}"
+    return None
 
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The kernels module, or None (logged once) when they fail to build."""
-    try:
-        from torch.utils import cpp_extension
-
-        flags = _compile_flags()
-        # The instruction sets are part of the name: a build for another CPU is not reused.
-        name = "pagedserve_cpu_ops_" + "_".join(
-            flag.removeprefix("-m") for flag in flags if flag.startswith("-mavx512")
-        ) if "-mavx512f" in flags else "pagedserve_cpu_ops_generic"
-        _remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
-        return cpp_extension.load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
-        logger.warning("CPU kernels unavailable, using the plain torch path: %s", exc)
-        return None
+    """The kernels module, or None; logs once (the start-up's kernels phase) which path serves
+    and why."""
+    with startup_phase("kernels") as phase:
+        importlib.import_module("torch")  # first: the extension links against libtorch
+        try:
+            module = importlib.import_module(extension_build.EXTENSION_NAME)
+        except ImportError as error:
+            module, reason = None, f"the C++ CPU kernels are not built ({error})"
+        else:
+            try:
+                expected_hash = extension_build.source_hash()
+            except OSError as error:  # a package shipped without csrc/: nothing to check against
+                expected_hash = f"unreadable ({error})"
+            reason = refusal(module, expected_hash, extension_build.cpu_flags())
+            if reason is not None:
+                module, reason = None, f"refused: {reason}"
+        if module is None:
+            phase.level = logging.WARNING
+            phase.detail = f"plain torch path: {reason}; {REBUILD_HINT}"
+        else:
+            phase.detail = (f"C++ CPU kernels ({getattr(module, 'BUILD_ISA', '') or 'no AVX-512'}) "
+                            f"from {module.__file__}")
+    return module

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # the tokenizer reads GGUF headers (gguf_header.py) without torch
+    from torch import nn
 
 _MODELS = {
     "llama": ("llama", "LlamaForCausalLM"),

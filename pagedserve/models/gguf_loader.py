@@ -3,20 +3,26 @@
 llama.cpp names tensors `blk.{i}.attn_q.weight` and, for the llama architecture only, permutes
 the rows of q/k so its interleaved RoPE works; we rename to Hugging Face names and undo that
 permutation, so models see exactly the weights transformers would load. Knows nothing about
-where the file came from.
+where the file came from. The header is parsed once per file (gguf_header.py); the `gguf` package
+dequantizes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterator
 
 import gguf
+import numpy as np
 import torch
 
 from pagedserve.config import ModelConfig
 from pagedserve.layers.quantized import PACKABLE_TYPES, GGUFQuantWeight, decode_gguf_blocks
+from pagedserve.models.gguf_header import GGUFHeader, read_gguf_header, tensor_data
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
 
@@ -38,10 +44,12 @@ _BLOCK_TENSOR_NAMES = {
 }
 _BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _CHAT_TURN_END_TOKEN = "<|im_end|>"
+PROGRESS_MIN_BYTES = 200 * 2**20
+"""A file with at least this many bytes of tensors logs its loading progress every 10%."""
 
 
 def load_gguf_config(path: str) -> ModelConfig:
-    return _read_config(gguf.GGUFReader(path), path)
+    return _read_config(read_gguf_header(path), path)
 
 
 def iter_gguf_weights(
@@ -52,16 +60,25 @@ def iter_gguf_weights(
     keep_packed: yield Q4_0 / Q4_1 / Q4_K / Q8_0 matrices as GGUFQuantWeight (codes with fp32
     scales and mins, exactly the values dequantization would give); other types stay dense.
     """
-    reader = gguf.GGUFReader(path)
-    config = _read_config(reader, path)
-    for tensor in reader.tensors:
+    header = read_gguf_header(path)
+    config = _read_config(header, path)
+    file_data = np.memmap(path, mode="r")
+    total_bytes = sum(tensor.num_bytes for tensor in header.tensors)
+    done_bytes, reported_tenths = 0, 0
+    for tensor in header.tensors:
+        done_bytes += tensor.num_bytes
+        if total_bytes >= PROGRESS_MIN_BYTES and done_bytes * 10 // total_bytes > reported_tenths:
+            reported_tenths = done_bytes * 10 // total_bytes
+            logger.info("startup: weights  %3d%%  %.0f of %.0f MiB read", reported_tenths * 10,
+                        done_bytes / 2**20, total_bytes / 2**20)
         hf_name = _hf_tensor_name(tensor.name, path)
-        shape = tuple(reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+        shape = tuple(reversed(tensor.shape))  # GGUF lists dims innermost first
+        data = tensor_data(file_data, header.byte_order, tensor)
         if keep_packed and tensor.tensor_type in PACKABLE_TYPES and len(shape) == 2:
-            weight = decode_gguf_blocks(tensor.data, tensor.tensor_type, shape)
+            weight = decode_gguf_blocks(data, tensor.tensor_type, shape)
         else:
             # NOTE: dequantize returns numpy (row-major) order.
-            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            weight = gguf.quants.dequantize(data, tensor.tensor_type)
         assert tuple(weight.shape) == shape, (tensor.name, weight.shape)
         if config.architecture == "llama" and ".q_proj." in hf_name:
             weight = _unpermute_rope_rows(weight, config.num_attention_heads)
@@ -75,10 +92,8 @@ def iter_gguf_weights(
         yield hf_name, torch.from_numpy(weight).to(dtype)
 
 
-def _read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
-    def field(key: str, default=None):
-        found = reader.get_field(key)
-        return default if found is None else found.contents()
+def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
+    field = header.get
 
     architecture = field("general.architecture")
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -93,19 +108,20 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
     rope_scaling = arch_field("rope.scaling.type", "none")
     if rope_scaling != "none":
         raise ValueError(f"unsupported RoPE scaling {rope_scaling!r} in {path}")
-    tokens = reader.get_field("tokenizer.ggml.tokens")
+    tokens = field("tokenizer.ggml.tokens")
     hidden_size = arch_field("embedding_length")
     num_attention_heads = arch_field("attention.head_count")
-    tensor_names = {tensor.name for tensor in reader.tensors}
+    tensor_names = {tensor.name for tensor in header.tensors}
 
     # The chat models end a turn with <|im_end|>; when the GGUF eos is another token (e.g. Qwen's
     # <|endoftext|>), generation must stop on both.
     eos_token_ids = [field("tokenizer.ggml.eos_token_id")]
     if _CHAT_TURN_END_TOKEN in field("tokenizer.chat_template", "") and tokens is not None:
-        eos_token_ids.append(_find_token_id(tokens, _CHAT_TURN_END_TOKEN))
+        eos_token_ids.append(next(
+            (i for i, token in enumerate(tokens) if token == _CHAT_TURN_END_TOKEN), None))
     return ModelConfig(
         architecture=architecture,
-        vocab_size=arch_field("vocab_size") or len(tokens.data),
+        vocab_size=arch_field("vocab_size") or len(tokens),
         hidden_size=hidden_size,
         intermediate_size=arch_field("feed_forward_length"),
         num_hidden_layers=arch_field("block_count"),
@@ -124,14 +140,6 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_token_ids if i is not None)),
         name=field("general.name") or os.path.basename(path),
-    )
-
-
-def _find_token_id(tokens: gguf.ReaderField, text: str) -> int | None:
-    wanted = text.encode()
-    # tokens.data holds, per token id, the index of the part with that token's bytes.
-    return next(
-        (i for i, part in enumerate(tokens.data) if bytes(tokens.parts[part]) == wanted), None
     )
 
 

@@ -8,8 +8,6 @@ never learn which format their weights came from.
 
 from __future__ import annotations
 
-import functools
-
 import hashlib
 import json
 import os
@@ -26,6 +24,7 @@ from pagedserve.kernels.cpu_ops import KernelConfig
 from pagedserve.layers.quantized import GGUFQuantWeight
 from pagedserve.models import get_model_class
 from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
+from pagedserve.observability.startup import startup_phase
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -127,15 +126,14 @@ def _assemble(part_paths: list[str], target: str, sha256: str | None) -> None:
 
 
 def load_model_config(path: str) -> ModelConfig:
-    """Read a GGUF file's metadata or an HF directory's config.json (see resolve_model_path)."""
-    return _load_model_config_cached(os.path.realpath(path), os.path.getmtime(path))
-
-
-@functools.lru_cache(maxsize=8)
-def _load_model_config_cached(path: str, mtime: float) -> ModelConfig:
-    # Parsing a GGUF header reads every vocabulary entry (seconds); the config is frozen, so
-    # engines built on the same unchanged file share one.
-    return _load_hf_config(path) if _is_hf_dir(path) else load_gguf_config(path)
+    """Read a GGUF file's metadata or an HF directory's config.json (see resolve_model_path).
+    A GGUF header is parsed once per file and shared with the tokenizer and the weights
+    (gguf_header.py)."""
+    with startup_phase("config") as phase:
+        config = _load_hf_config(path) if _is_hf_dir(path) else load_gguf_config(path)
+        phase.detail = (f"{config.name} ({config.architecture}, {config.num_hidden_layers} layers, "
+                        f"hidden {config.hidden_size}, vocab {config.vocab_size}) from {path}")
+    return config
 
 
 def iter_model_weights(

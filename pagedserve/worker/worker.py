@@ -26,6 +26,7 @@ from pagedserve.kernels import cpu_ops
 from pagedserve.lora.worker_manager import WorkerLoRAManager
 from pagedserve.models.loader import load_model
 from pagedserve.observability import memory
+from pagedserve.observability.startup import startup_phase
 from pagedserve.worker.model_runner import DTYPES, ModelRunner
 from pagedserve.worker.profiler import StepProfiler, step_range
 
@@ -72,7 +73,10 @@ class Worker:
                 logger.info("rank %d pinned to CPUs %s", self.rank, cpus)
             torch.set_num_threads(num_threads or len(usable_cpus()))
             if device_config.cpu_kernels:
-                cpu_ops.load()  # build (once per machine) now, not inside the first request
+                cpu_ops.load()  # logs the kernels phase: which path serves, and why
+            else:
+                with startup_phase("kernels") as phase:
+                    phase.detail = "plain torch path (cpu_kernels off: --no-cpu-kernels)"
         elif self.device.type == "cuda" and distributed:
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
@@ -101,10 +105,15 @@ class Worker:
     def load_model(self) -> None:
         config = self.config
         if self.model is None:
-            self.model = self._load_weights(self.model_path)
-            # Loading leaves tens of MB of freed temporaries (dequantized shards) in glibc's
-            # heaps: give them back, so the RSS is the weights (observability/memory.py).
-            release_memory(self.device)
+            with startup_phase("weights") as phase:
+                self.model = self._load_weights(self.model_path)
+                # Loading leaves tens of MB of freed temporaries (dequantized shards) in glibc's
+                # heaps: give them back, so the RSS is the weights (observability/memory.py).
+                release_memory(self.device)
+                parts = memory.model_bytes(self.model)
+                phase.detail = (f"{sum(parts.values()) / 2**20:.0f} MiB in {config.device.dtype}"
+                                f" ({parts['weights_packed'] / 2**20:.0f} MiB packed)"
+                                + (f", rank {self.rank}" if config.parallel.world_size > 1 else ""))
         self.model_runner = ModelRunner(
             self.model, config.model, config.cache, config.device, self.device,
             speculative_config=config.speculative,

@@ -66,6 +66,7 @@ from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger
 from pagedserve.models.loader import DEFAULT_MODEL
 from pagedserve.observability.live_stats import LiveStats
+from pagedserve.observability.startup import log_listening
 from pagedserve.observability.timeline import DEFAULT_HISTORY as DEFAULT_TIMELINE_HISTORY
 from pagedserve.observability.timeline import TimelineStore
 from pagedserve.router.config import POLICY_NAMES
@@ -607,6 +608,11 @@ class _DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            log_listening(f"http://{self.config.host}:{self.config.port}")
+
     def handle_exit(self, sig: int, frame) -> None:
         # NOTE: this runs inside a signal handler, between two bytecodes of the loop's thread.
         if self._loop is None or not self.started:
@@ -710,6 +716,7 @@ def run_server(args: argparse.Namespace) -> int:
     config = ServerConfig.from_cli_args(args)
     log_stats = [] if args.disable_log_stats else [LoggingStatLogger(args.log_stats_interval)]
     engine = LLMEngine.from_engine_args(engine_args)
+    engine.warm_up()  # before the server listens: /health is 200 only once it is done
     speculative = engine.config.speculative
     stat_logger = PrometheusStatLogger(
         config.served_model_name, max_model_len=engine.config.scheduler.max_model_len,
