@@ -271,6 +271,10 @@ class SamplingParams:
             if not 0 <= token_id < vocab_size:
                 raise ValueError(f"allowed_token_ids has {token_id}, outside the vocabulary "
                                  f"[0, {vocab_size})")
+        for sequence in self.bad_words_token_ids or ():
+            if not all(0 <= token_id < vocab_size for token_id in sequence):
+                raise ValueError(f"bad_words tokenize to {sequence}, outside the model's "
+                                 f"vocabulary [0, {vocab_size})")
 
     def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> None:
         """Fill bad_words_token_ids from bad_words with `encode` (text -> ids, no special tokens).

@@ -67,7 +67,9 @@ def engine_error(error: ValueError | EngineDrainingError | EngineDeadError | Eng
     if isinstance(error, EngineDeadError):
         return APIError(500, "the engine has failed; the server must be restarted",
                         code="engine_dead")
-    return bad_request(str(error))
+    # The engine's messages name the offending field first ("bad_words tokenize to ...").
+    name = str(error).split(" ", 1)[0]
+    return bad_request(str(error), name if name in p.GenerationRequest.model_fields else None)
 
 
 # ---- per-request bookkeeping ------------------------------------------------------------------
