@@ -207,15 +207,35 @@ POINT_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["x
 
 
 def test_guided_json_through_the_openai_client(client):
-    for schema in (POINT_SCHEMA, json.dumps(POINT_SCHEMA)):
-        response = client.chat.completions.create(
+    def ask(extra_body: dict) -> str:
+        return client.chat.completions.create(
             model=MODEL_NAME, temperature=0.8, seed=3, max_tokens=40,
             messages=[{"role": "user", "content": "Give a point as JSON."}],
-            extra_body={"guided_json": schema, "guided_decoding_backend": "xgrammar",
-                        "guided_whitespace_pattern": ""})
-        text = response.choices[0].message.content
+            extra_body=extra_body).choices[0].message.content
+
+    def conforms(text: str) -> bool:
+        try:
+            jsonschema.validate(json.loads(text), POINT_SCHEMA)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+
+    # Seeded, so the same draws each run: free text does not conform, guided_json does, and
+    # without a whitespace pattern this draw has spaces.
+    assert not conforms(ask({}))
+    guided = ask({"guided_json": POINT_SCHEMA})
+    assert conforms(guided) and " " in guided
+    for schema in (POINT_SCHEMA, json.dumps(POINT_SCHEMA)):
+        text = ask({"guided_json": schema, "guided_decoding_backend": "xgrammar",
+                    "guided_whitespace_pattern": ""})
         jsonschema.validate(json.loads(text), POINT_SCHEMA)
         assert text.startswith("{\"") and " " not in text  # the whitespace pattern acted
+    response = client.completions.create(
+        model=MODEL_NAME, prompt="A point as JSON:", temperature=0.8, seed=3, max_tokens=40,
+        extra_body={"structured_outputs": {"json": POINT_SCHEMA, "whitespace_pattern": ""}})
+    text = response.choices[0].text
+    jsonschema.validate(json.loads(text), POINT_SCHEMA)
+    assert " " not in text
 
 
 def test_guided_choice_and_regex_through_the_openai_client(client):

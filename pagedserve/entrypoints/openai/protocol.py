@@ -93,6 +93,8 @@ class StructuredOutputsRequest(RequestModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    whitespace_pattern: str | None = None
+    """With json: the whitespace allowed between JSON tokens (a regex; vLLM's field)."""
 
 
 class GenerationRequest(RequestModel):

@@ -600,7 +600,10 @@ class OpenAIServing:
                 constraint = StructuredOutputsParams(json=json_schema.schema_)
         except ValueError as error:
             raise bad_request(str(error), param) from None
-        constraint = self._with_whitespace_pattern(constraint, request.guided_whitespace_pattern)
+        whitespace_pattern = request.guided_whitespace_pattern
+        if request.structured_outputs is not None and whitespace_pattern is None:
+            whitespace_pattern = request.structured_outputs.whitespace_pattern
+        constraint = self._with_whitespace_pattern(constraint, whitespace_pattern)
         try:
             await asyncio.wait_for(
                 asyncio.to_thread(self.async_llm.validate_structured_outputs, constraint),
