@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json as _json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -28,6 +28,8 @@ MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
 """Largest schema, regex or grammar text a request may carry (its JSON text for a schema)."""
 MAX_CHOICES = 1024
 """Most strings a `choice` constraint may list."""
+MAX_BAD_WORDS = 128
+"""Most strings a request's `bad_words` may list."""
 
 
 @dataclass
@@ -167,6 +169,15 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (None: free text). A dict
     is accepted and stored as StructuredOutputsParams."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled (None: all). An empty list is refused."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words never to generate, as vLLM defines them: each is tokenized with and without a
+    leading space, and the last token of such a sequence is banned whenever the tokens generated
+    just before it equal the rest of the sequence (tokenize_bad_words fills the ids)."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """The token sequences of bad_words; set by tokenize_bad_words (the engine calls it on
+    entry, since only it has the tokenizer)."""
 
     def __post_init__(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
@@ -217,6 +228,8 @@ class SamplingParams:
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _normalize_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _normalize_bad_words(self.bad_words)
         if isinstance(self.structured_outputs, dict):
             unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
             if unknown:
@@ -254,6 +267,27 @@ class SamplingParams:
                 raise ValueError(
                     f"logit_bias has token id {token_id}, outside the vocabulary [0, {vocab_size})"
                 )
+        for token_id in self.allowed_token_ids or ():
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"allowed_token_ids has {token_id}, outside the vocabulary "
+                                 f"[0, {vocab_size})")
+        for sequence in self.bad_words_token_ids or ():
+            if not all(0 <= token_id < vocab_size for token_id in sequence):
+                raise ValueError(f"bad_words tokenize to {sequence}, outside the model's "
+                                 f"vocabulary [0, {vocab_size})")
+
+    def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> None:
+        """Fill bad_words_token_ids from bad_words with `encode` (text -> ids, no special tokens).
+
+        As vLLM does: each word is tried bare and with one leading space (a word mid-sentence is
+        usually its space-prefixed token), keeping each distinct non-empty sequence."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            for variant in (word.lstrip(), " " + word.lstrip()):
+                token_ids = encode(variant)
+                if token_ids and token_ids not in sequences:
+                    sequences.append(token_ids)
+        self.bad_words_token_ids = sequences or None
 
     def clone(self) -> SamplingParams:
         """A deep copy: each of a request's n completions may get its own (e.g. a derived seed)."""
@@ -319,3 +353,29 @@ def _normalize_logit_bias(logit_bias: object) -> dict[int, float] | None:
             )
         normalized[token_id] = float(bias)
     return normalized or None
+
+
+def _normalize_allowed_token_ids(allowed_token_ids: object) -> list[int] | None:
+    if allowed_token_ids is None:
+        return None
+    if not isinstance(allowed_token_ids, (list, tuple, set)) or not allowed_token_ids:
+        raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                         f"{allowed_token_ids!r}")
+    for token_id in allowed_token_ids:
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(f"allowed_token_ids must contain only ints >= 0, got {token_id!r}")
+    return sorted(set(allowed_token_ids))
+
+
+def _normalize_bad_words(bad_words: object) -> list[str]:
+    if bad_words is None:
+        return []
+    if not isinstance(bad_words, (list, tuple)):
+        raise ValueError(f"bad_words must be a list of strings, got {bad_words!r}")
+    if len(bad_words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words has {len(bad_words)} strings; at most {MAX_BAD_WORDS} are "
+                         "allowed")
+    for word in bad_words:
+        if not isinstance(word, str) or not word.strip():
+            raise ValueError(f"bad_words must contain only non-blank strings, got {word!r}")
+    return list(bad_words)

@@ -246,6 +246,9 @@ class LLMEngine:
             raise EngineSleepingError("the engine is sleeping: wake it up first")
         params = (params or SamplingParams()).clone()
         text, prompt_token_ids = self.process_prompt(prompt)
+        if params.bad_words:
+            params.tokenize_bad_words(
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         params.validate_for_vocab(self.config.model.vocab_size)
         max_model_len = self.config.scheduler.max_model_len
         if len(prompt_token_ids) >= max_model_len:

@@ -212,6 +212,9 @@ VLLM_SERVE_FLAGS: tuple[VLLMFlag, ...] = (
              "string"),
     VLLMFlag("--response-role", _U, ""),
     VLLMFlag("--return-tokens-as-token-ids", _S, "logprob tokens read token_id:N"),
+    VLLMFlag("--generation-config", _S, "auto (default): the model's generation_config.json "
+             "sampling defaults (an HF directory's; none for GGUF); vllm: none; or a folder "
+             "holding one. Request values win", ("vllm",)),
     VLLMFlag("--enable-auto-tool-choice", _I, 'tool_choice "auto" is always available'),
     VLLMFlag("--tool-call-parser", _I, "tool calls are always parsed from Hermes-style "
              "<tool_call> blocks, which the prompt asks for", ("hermes",)),

@@ -20,7 +20,7 @@ NEG_INF = float("-inf")
 @dataclass
 class ReferenceRow:
     penalized_logits: list[float]
-    """After logit_bias, min_tokens and penalties: what a greedy row takes the argmax of."""
+    """After allowed_token_ids, bad_words, logit_bias, min_tokens and penalties: what a greedy row takes the argmax of."""
     sampling_logits: list[float] | None
     """After temperature, min_p, top-k and top-p: what a random row samples from (None: greedy)."""
 
@@ -33,6 +33,11 @@ def process_row(
     eos_token_ids: Iterable[int],
 ) -> ReferenceRow:
     logits = [float(x) for x in logits]
+    if params.allowed_token_ids is not None:
+        allowed = set(params.allowed_token_ids)
+        logits = forbid_tokens(logits, (i for i in range(len(logits)) if i not in allowed))
+    logits = forbid_tokens(logits, bad_word_bans(params.bad_words_token_ids or [],
+                                                 output_token_ids))
     logits = apply_logit_bias(logits, params.logit_bias)
     if len(output_token_ids) < params.min_tokens:
         logits = forbid_tokens(logits, params.all_stop_token_ids(eos_token_ids))
@@ -68,6 +73,16 @@ def apply_logit_bias(logits: list[float], logit_bias: dict[int, float] | None) -
     for token_id, bias in (logit_bias or {}).items():
         logits[token_id] += bias
     return logits
+
+
+def bad_word_bans(sequences: list[list[int]], output_token_ids: list[int]) -> set[int]:
+    """The last token of each bad-word sequence whose other tokens end the output so far."""
+    bans = set()
+    for sequence in sequences:
+        *prefix, last = sequence
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
+            bans.add(last)
+    return bans
 
 
 def forbid_tokens(logits: list[float], token_ids: Iterable[int]) -> list[float]:

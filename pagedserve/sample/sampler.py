@@ -1,6 +1,7 @@
 """Batch sampler: logits (B, V) in, one token id per row out, plus logprobs when asked.
 
-Processing order follows vLLM V1: logit_bias and min_tokens -> penalties -> greedy argmax ->
+Processing order follows vLLM V1: allowed_token_ids and bad_words (one ban mask) -> logit_bias
+and min_tokens -> penalties -> greedy argmax ->
 temperature -> min_p -> top-k/top-p -> sample by exponential race. Logprobs come from the raw
 logits. Knows nothing of requests or the scheduler: the caller builds SamplingMetadata once per
 step from each row's SamplingParams. Its slow one-row-at-a-time twin is sample/reference.py.
@@ -54,6 +55,10 @@ class SamplingMetadata:
     logit_bias: list[dict[int, float] | None]
     min_tokens_stop_ids: list[set[int] | None]
     """Per row: token ids to forbid this step, as the output is still shorter than min_tokens."""
+    banned_token_mask: torch.Tensor | None
+    """(B, V) bool, True = may not be sampled this step: tokens outside a row's
+    allowed_token_ids, and the bad_words tokens that would complete a bad word now. None when
+    no row has either."""
     max_num_logprobs: int | None
     """Largest `logprobs` over rows; None when no row wants logprobs."""
 
@@ -105,6 +110,10 @@ class SamplingMetadata:
             min_tokens_stop_ids.append(stop_ids)
 
         requested_logprobs = [p.logprobs for p in params_list if p.logprobs is not None]
+        banned_token_mask = None
+        if any(p.allowed_token_ids is not None or p.bad_words_token_ids for p in params_list):
+            banned_token_mask = _banned_token_mask(params_list, output_token_ids, vocab_size,
+                                                   device)
         return cls(
             temperature=_to_device(temperature, torch.float32, device),
             all_greedy=all(is_greedy),
@@ -126,6 +135,7 @@ class SamplingMetadata:
                               if use_repetition_penalty else None),
             logit_bias=[p.logit_bias for p in params_list],
             min_tokens_stop_ids=min_tokens_stop_ids,
+            banned_token_mask=banned_token_mask,
             max_num_logprobs=max(requested_logprobs, default=None),
         )
 
@@ -168,11 +178,51 @@ class Sampler(nn.Module):
         return SamplerOutput(sampled_token_ids, logprobs, logprob_token_ids, ranks)
 
 
+def _banned_token_mask(params_list: Sequence[SamplingParams], output_token_ids: list[list[int]],
+                       vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(B, V) bool, True where a row may not sample the token this step (see SamplingMetadata).
+
+    Per row the host work is per bad word (a short list comparison) and per allowed-id list (one
+    list extend); the mask itself is filled by two index_put_ calls."""
+    restricted_rows: list[int] = []
+    allowed_rows: list[int] = []
+    allowed_ids: list[int] = []
+    banned_rows: list[int] = []
+    banned_ids: list[int] = []
+    for row, (params, output_ids) in enumerate(zip(params_list, output_token_ids)):
+        if params.allowed_token_ids is not None:
+            restricted_rows.append(row)
+            allowed_rows.extend([row] * len(params.allowed_token_ids))
+            allowed_ids.extend(params.allowed_token_ids)
+        for sequence in params.bad_words_token_ids or ():
+            # Ban the sequence's last token when the output ends with the rest of it:
+            #   output: | ... | s[0] ... s[-2] |  -> s[-1] is banned now
+            num_prefix = len(sequence) - 1
+            if num_prefix == 0 or (len(output_ids) >= num_prefix
+                                   and output_ids[-num_prefix:] == sequence[:-1]):
+                banned_rows.append(row)
+                banned_ids.append(sequence[-1])
+    mask = torch.zeros(len(params_list), vocab_size, dtype=torch.bool, device=device)  # (B, V)
+    if restricted_rows:
+        mask[_to_device(restricted_rows, torch.int64, device)] = True
+        index = (_to_device(allowed_rows, torch.int64, device),
+                 _to_device(allowed_ids, torch.int64, device))
+        mask.index_put_(index, torch.tensor(False, device=device))
+    if banned_rows:
+        index = (_to_device(banned_rows, torch.int64, device),
+                 _to_device(banned_ids, torch.int64, device))
+        mask.index_put_(index, torch.tensor(True, device=device))
+    return mask
+
+
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """logit_bias, min_tokens, then penalties: the steps that apply to greedy rows too.
+    """Bans (allowed_token_ids, bad_words), logit_bias, min_tokens, then penalties: the steps
+    that apply to greedy rows too. A banned token stays at -inf through all of them.
 
     Returns a new tensor when anything applies (never writes to `logits`), else `logits` itself.
     """
+    if metadata.banned_token_mask is not None:
+        logits = logits.masked_fill(metadata.banned_token_mask, _NEG_INF)
     has_bias = any(metadata.logit_bias)
     has_min_tokens = any(metadata.min_tokens_stop_ids)
     if has_bias or has_min_tokens:

@@ -50,6 +50,7 @@ from pagedserve.entrypoints.openai.observability_routes import (
     add_profiler_routes,
     attach_request_tracer,
 )
+from pagedserve.entrypoints.openai.request_fields import GenerationDefaults
 from pagedserve.entrypoints.openai.serving import OpenAIServing
 from pagedserve.entrypoints.openai.serving_lora import (
     LoRAModule,
@@ -138,6 +139,11 @@ class ServerConfig:
     disable_uvicorn_access_log: bool = False
     disable_fastapi_docs: bool = False
     """No /docs, /redoc and /openapi.json."""
+    strict_requests: bool = False
+    """Unknown request fields are a 400 naming them (default: a warning once per name)."""
+    generation_config: str = "auto"
+    """Sampling defaults: `auto` (the model's generation_config.json), `vllm` (none), or a
+    folder holding a generation_config.json (request_fields.GenerationDefaults)."""
 
     def __post_init__(self) -> None:
         if self.max_num_waiting < 0:
@@ -214,6 +220,8 @@ class ServerConfig:
             uvicorn_log_level=args.uvicorn_log_level,
             disable_uvicorn_access_log=args.disable_uvicorn_access_log,
             disable_fastapi_docs=args.disable_fastapi_docs,
+            strict_requests=args.strict_requests,
+            generation_config=args.generation_config,
         )
 
 
@@ -362,8 +370,12 @@ def build_app(
     if timelines is None:
         timelines = TimelineStore(config.timeline_history)
         async_llm.engine.events.subscribe(timelines.on_events)
+    generation_defaults = GenerationDefaults.load(config.generation_config,
+                                                  async_llm.engine.config.model_path)
+    generation_defaults.log(config.generation_config)
     serving = OpenAIServing(async_llm, config.served_model_name, lora, timelines,
-                            config.frontend)
+                            config.frontend, strict_requests=config.strict_requests,
+                            generation_defaults=generation_defaults)
     state = ServerState(config)
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None,
                                                         "openapi_url": None}
@@ -787,6 +799,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                        help="export an OpenTelemetry span per finished request over OTLP/HTTP, "
                             "e.g. http://localhost:4318/v1/traces (needs pagedserve[otlp])")
+    group.add_argument("--strict-requests", action="store_true",
+                       help="refuse (400) requests with fields the server does not know; "
+                            "default: serve them and log each unknown name once")
+    group.add_argument("--generation-config", default=ServerConfig.generation_config,
+                       metavar="auto|vllm|FOLDER",
+                       help="sampling defaults for fields a request leaves out: 'auto' reads "
+                            "the model's generation_config.json, 'vllm' ignores it, or a folder "
+                            "holding one (vLLM's flag)")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
     group.add_argument("--disable-log-stats", action="store_true",

@@ -1,5 +1,6 @@
-"""The OpenAI wire format: pydantic models for requests (validated strictly, unknown fields
-ignored as vLLM does) and for responses and stream chunks.
+"""The OpenAI wire format: pydantic models for requests (validated strictly; unknown fields are
+kept, and unknown_fields() names them for the server to warn about or refuse) and for responses
+and stream chunks.
 
 Only shapes and static bounds live here; limits that need the model (vocabulary, context length)
 are checked in serving.py.
@@ -32,12 +33,28 @@ MAX_TOOLS = 128
 """Most tools one chat request may offer (OpenAI allows 128)."""
 MAX_TOOLS_JSON_CHARS = 256 * 1024
 """Most characters the tools' definitions may take as JSON (they become prompt and grammar)."""
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
+"""Most ids allowed_token_ids may list (more than any vocabulary: a bound on the body's work)."""
 
 
 class RequestModel(BaseModel):
-    """Strict: "5" is not an int and NaN is not a number; unknown fields are kept and ignored."""
+    """Strict: "5" is not an int and NaN is not a number. Unknown fields are kept (model_extra)
+    so that unknown_fields() can name them; nothing reads their values."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The dotted names of the fields `model` and the models inside it did not declare, e.g.
+    ["foo", "stream_options.bar", "messages.baz"] (list items are named by their field)."""
+    names = [prefix + name for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, BaseModel):
+                names += [n for n in unknown_fields(item, f"{prefix}{name}.") if n not in names]
+    return names
 
 
 class ResponseModel(BaseModel):
@@ -49,6 +66,9 @@ class ResponseModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+    """vLLM's: every chunk carries the usage so far (the final usage chunk still needs
+    include_usage)."""
 
 
 class JsonSchemaFormat(RequestModel):
@@ -73,6 +93,8 @@ class StructuredOutputsRequest(RequestModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    whitespace_pattern: str | None = None
+    """With json: the whitespace allowed between JSON tokens (a regex; vLLM's field)."""
 
 
 class GenerationRequest(RequestModel):
@@ -111,6 +133,26 @@ class GenerationRequest(RequestModel):
     # constrained output
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older names for structured_outputs' constraints (serving.py maps them)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    """Accepted; the server has one structured output backend (llguidance)."""
+    guided_whitespace_pattern: str | None = None
+    """With a JSON constraint: the whitespace allowed between JSON tokens."""
+    # vLLM's token-level extras
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1,
+                                                max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[str] | None = Field(default=None, max_length=128)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """Keep only the last N prompt tokens (-1: the model's context length)."""
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """Logprobs of each prompt token (after the first) and of its top N alternatives."""
+    return_token_ids: bool | None = None
+    """Add prompt_token_ids and each choice's token_ids to the response (deltas when
+    streaming; prompt_token_ids in the first chunk)."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -342,6 +384,24 @@ class UsageInfo(ResponseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's Logprob, as its prompt_logprobs carry it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""Per prompt token: token id -> its logprob, for the actual token and the top N (None for the
+first token, which has no context)."""
+
+
+def _omit_none() -> Any:
+    """A vLLM-only response field that is left out of the JSON unless the request asked for it."""
+    return Field(default=None, exclude_if=lambda value: value is None)
+
+
 class CompletionLogProbs(ResponseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -356,6 +416,9 @@ class CompletionChoice(ResponseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     """vLLM's extension: the stop string or token id that ended the sequence."""
+    prompt_logprobs: PromptLogprobs | None = _omit_none()
+    prompt_token_ids: list[int] | None = _omit_none()
+    token_ids: list[int] | None = _omit_none()
 
 
 class CompletionResponse(ResponseModel):
@@ -418,6 +481,7 @@ class ChatCompletionChoice(ResponseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = _omit_none()
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -429,6 +493,8 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
     timeline: dict | None = Field(default=None, exclude_if=lambda value: value is None)
     """With return_timeline: where the request's time went (observability/timeline.py)."""
+    prompt_logprobs: PromptLogprobs | None = _omit_none()
+    prompt_token_ids: list[int] | None = _omit_none()
 
 
 class _SparseModel(ResponseModel):
@@ -470,6 +536,7 @@ class ChatCompletionStreamChoice(ResponseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = _omit_none()
 
 
 class ChatCompletionStreamResponse(ResponseModel):
@@ -481,6 +548,7 @@ class ChatCompletionStreamResponse(ResponseModel):
     usage: UsageInfo | None = None
     timeline: dict | None = Field(default=None, exclude_if=lambda value: value is None)
     """With return_timeline: where the request's time went (observability/timeline.py)."""
+    prompt_token_ids: list[int] | None = _omit_none()
 
 
 class TokenizeResponse(ResponseModel):

@@ -25,6 +25,7 @@ from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
 from pagedserve.entrypoints.openai.frontend_options import FrontendOptions
 from pagedserve.entrypoints.openai.generation import EventStream, Generation
+from pagedserve.entrypoints.openai.request_fields import GenerationDefaults, UnknownFieldPolicy
 from pagedserve.entrypoints.openai.serving_lora import LoRAServing
 from pagedserve.entrypoints.openai.tool_parsers import (
     ToolCallStreamer,
@@ -36,6 +37,10 @@ from pagedserve.lora.request import LoRARequest
 from pagedserve.observability.timeline import TimelineStore
 from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+"""vLLM's older request fields -> the StructuredOutputsParams field each one sets."""
 
 GRAMMAR_VALIDATION_TIMEOUT_S = 10.0
 """A constraint that takes longer than this to check is refused (400)."""
@@ -62,7 +67,9 @@ def engine_error(error: ValueError | EngineDrainingError | EngineDeadError | Eng
     if isinstance(error, EngineDeadError):
         return APIError(500, "the engine has failed; the server must be restarted",
                         code="engine_dead")
-    return bad_request(str(error))
+    # The engine's messages name the offending field first ("bad_words tokenize to ...").
+    name = str(error).split(" ", 1)[0]
+    return bad_request(str(error), name if name in p.GenerationRequest.model_fields else None)
 
 
 # ---- per-request bookkeeping ------------------------------------------------------------------
@@ -151,7 +158,8 @@ class _ResponseFormat(Protocol):
     def final_choice(self, index: int, prompt_index: int, choice: _Choice,
                      prompt_output: RequestOutput) -> BaseModel: ...
 
-    def response(self, choices: list, usage: p.UsageInfo) -> BaseModel: ...
+    def response(self, choices: list, usage: p.UsageInfo,
+                 prompt_outputs: dict[int, RequestOutput]) -> BaseModel: ...
 
 
 class _CompletionFormat:
@@ -178,22 +186,28 @@ class _CompletionFormat:
                       completion: CompletionOutput, choice: _Choice) -> p.CompletionChoice | None:
         text, token_ids, positions = completion.text, completion.token_ids, completion.logprobs
         wants_logprobs = self.request.logprobs is not None
-        if self.request.echo and not choice.started:
+        wants_token_ids = bool(self.request.return_token_ids)
+        first = not choice.started
+        if self.request.echo and first:
             text = self._prompt_text(prompt_index) + text
             if wants_logprobs:
                 token_ids = output.prompt_token_ids + token_ids
                 positions = list(output.prompt_logprobs or [None]) + list(positions or [])
-        if not text and completion.finish_reason is None and not (wants_logprobs and token_ids):
+        if (not text and completion.finish_reason is None
+                and not ((wants_logprobs or wants_token_ids) and completion.token_ids)):
             return None
         logprobs = None
         if wants_logprobs:
             logprobs = self.serving.completion_logprobs(token_ids, positions or [],
-                                                        choice.num_sent_chars)
+                                                        choice.num_sent_chars,
+                                                        self.request.logprobs)
         choice.started = True
         choice.num_sent_chars += len(text)
-        return p.CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                  finish_reason=completion.finish_reason,
-                                  stop_reason=completion.stop_reason)
+        return p.CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            prompt_token_ids=output.prompt_token_ids if wants_token_ids and first else None,
+            token_ids=list(completion.token_ids) if wants_token_ids else None)
 
     def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel:
         return p.CompletionStreamResponse(id=self.response_id, created=self.created,
@@ -210,12 +224,18 @@ class _CompletionFormat:
             positions = list(prompt_output.prompt_logprobs or [None]) + positions
         logprobs = None
         if self.request.logprobs is not None:
-            logprobs = self.serving.completion_logprobs(token_ids, positions, 0)
-        return p.CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                  finish_reason=choice.finish_reason,
-                                  stop_reason=choice.stop_reason)
+            logprobs = self.serving.completion_logprobs(token_ids, positions, 0,
+                                                        self.request.logprobs)
+        wants_token_ids = bool(self.request.return_token_ids)
+        return p.CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+            prompt_logprobs=self.serving.prompt_logprobs(self.request, prompt_output),
+            prompt_token_ids=prompt_output.prompt_token_ids if wants_token_ids else None,
+            token_ids=choice.token_ids if wants_token_ids else None)
 
-    def response(self, choices: list, usage: p.UsageInfo) -> BaseModel:
+    def response(self, choices: list, usage: p.UsageInfo,
+                 prompt_outputs: dict[int, RequestOutput]) -> BaseModel:
         return p.CompletionResponse(id=self.response_id, created=self.created,
                                     model=self.serving.response_model(self.request),
                                     choices=choices, usage=usage)
@@ -225,10 +245,12 @@ class _ChatFormat:
     """/v1/chat/completions: an assistant message per choice, role delta first when streaming."""
 
     def __init__(self, serving: OpenAIServing, request: p.ChatCompletionRequest,
-                 response_id: str, tool_parser: ToolParser | None = None) -> None:
+                 response_id: str, prompt: PromptInput, tool_parser: ToolParser | None = None
+                 ) -> None:
         self.serving = serving
         self.request = request
         self.response_id = response_id
+        self.prompt = prompt
         self.created = int(time.time())
         self.num_top_logprobs = request.top_logprobs or 0
         self.tool_parser = tool_parser
@@ -239,11 +261,14 @@ class _ChatFormat:
         return self.serving.chat_logprobs(token_ids, positions or [], self.num_top_logprobs)
 
     def initial_chunks(self) -> list[BaseModel]:
-        return [
+        chunks = [
             self.chunk([p.ChatCompletionStreamChoice(
                 index=index, delta=p.DeltaMessage(role="assistant", content=""))])
             for index in range(self.request.n)
         ]
+        if self.request.return_token_ids:
+            chunks[0].prompt_token_ids = self.prompt.token_ids  # vLLM: in the first chunk only
+        return chunks
 
     def stream_choice(self, index: int, prompt_index: int, output: RequestOutput,
                       completion: CompletionOutput, choice: _Choice
@@ -263,13 +288,15 @@ class _ChatFormat:
                 for d in delta.tool_calls] or None
             if finish_reason == "stop" and delta.num_calls:
                 finish_reason = "tool_calls"
+        wants_token_ids = bool(self.request.return_token_ids)
         if (not text and not tool_deltas and finish_reason is None
-                and not (self.request.logprobs and token_ids)):
+                and not ((self.request.logprobs or wants_token_ids) and token_ids)):
             return None
         return p.ChatCompletionStreamChoice(
             index=index, delta=p.DeltaMessage(content=text or None, tool_calls=tool_deltas),
             logprobs=self._logprobs(token_ids, completion.logprobs),
-            finish_reason=finish_reason, stop_reason=completion.stop_reason)
+            finish_reason=finish_reason, stop_reason=completion.stop_reason,
+            token_ids=list(token_ids) if wants_token_ids else None)
 
     def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel:
         return p.ChatCompletionStreamResponse(id=self.response_id, created=self.created,
@@ -292,12 +319,17 @@ class _ChatFormat:
         return p.ChatCompletionChoice(
             index=index, message=message,
             logprobs=self._logprobs(choice.token_ids, choice.logprobs),
-            finish_reason=finish_reason, stop_reason=choice.stop_reason)
+            finish_reason=finish_reason, stop_reason=choice.stop_reason,
+            token_ids=choice.token_ids if self.request.return_token_ids else None)
 
-    def response(self, choices: list, usage: p.UsageInfo) -> BaseModel:
-        return p.ChatCompletionResponse(id=self.response_id, created=self.created,
-                                        model=self.serving.response_model(self.request),
-                                        choices=choices, usage=usage)
+    def response(self, choices: list, usage: p.UsageInfo,
+                 prompt_outputs: dict[int, RequestOutput]) -> BaseModel:
+        # vLLM puts a chat's prompt fields on the response, not on the choices (one prompt).
+        return p.ChatCompletionResponse(
+            id=self.response_id, created=self.created,
+            model=self.serving.response_model(self.request), choices=choices, usage=usage,
+            prompt_logprobs=self.serving.prompt_logprobs(self.request, prompt_outputs[0]),
+            prompt_token_ids=self.prompt.token_ids if self.request.return_token_ids else None)
 
 
 # ---- the service ------------------------------------------------------------------------------
@@ -308,12 +340,17 @@ class OpenAIServing:
 
     def __init__(self, async_llm: AsyncLLM, served_model_name: str,
                  lora: LoRAServing | None = None, timelines: TimelineStore | None = None,
-                 options: FrontendOptions | None = None) -> None:
+                 options: FrontendOptions | None = None, *, strict_requests: bool = False,
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         """lora: the LoRA adapters requests may name as `model` (None: LoRA is off).
         timelines: where requests' timelines are kept (None: return_timeline gives none).
-        options: the server flags' effect on answers (names, chat template, logprobs)."""
+        options: the server flags' effect on answers (names, chat template, logprobs).
+        strict_requests: unknown request fields are a 400 (else a warning once per name).
+        generation_defaults: sampling defaults for fields a request leaves out."""
         self.async_llm = async_llm
         self.options = options or FrontendOptions()
+        self.unknown_fields = UnknownFieldPolicy(strict_requests)
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.timelines = timelines
         self.tokenizer = async_llm.tokenizer
         self.served_model_name = served_model_name
@@ -364,15 +401,21 @@ class OpenAIServing:
             raise bad_request("suffix is not supported", "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of is not supported (use n)", "best_of")
-        prompts = await self._completion_prompts(request.prompt)
+        prompts = [self._truncate(prompt, request.truncate_prompt_tokens)
+                   for prompt in await self._completion_prompts(request.prompt)]
         if len(prompts) * request.n > p.MAX_PROMPTS:
             raise bad_request(f"n ({request.n}) times the number of prompts ({len(prompts)}) "
                               f"must be at most {p.MAX_PROMPTS}", "n")
         self._check_num_logprobs(request.logprobs, "logprobs")
-        echo_logprobs = request.logprobs if request.echo else None
+        # echo with logprobs shows the prompt's logprobs too: one engine pass serves both.
+        wanted = [request.prompt_logprobs, request.logprobs if request.echo else None]
+        prompt_logprobs = max((k for k in wanted if k is not None), default=None)
         constraint = await self._structured_outputs(request)
-        params = [self._sampling_params(request, prompt, request.max_tokens, default_max_tokens=16,
-                                        logprobs=request.logprobs, prompt_logprobs=echo_logprobs,
+        default_max_tokens = self.generation_defaults.max_tokens or 16  # OpenAI's default: 16
+        params = [self._sampling_params(request, prompt, request.max_tokens,
+                                        default_max_tokens=default_max_tokens,
+                                        logprobs=request.logprobs,
+                                        prompt_logprobs=prompt_logprobs,
                                         structured_outputs=constraint)
                   for prompt in prompts]
         response_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -394,10 +437,13 @@ class OpenAIServing:
             raise bad_request(str(error), "tool_choice" if request.tools else "tools") from None
         constraint = await self._structured_outputs(request, tool_plan)
         prompt = await self._chat_prompt(request.messages, request, tool_plan.tools_in_prompt)
+        prompt = self._truncate(prompt, request.truncate_prompt_tokens)
         max_tokens = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = [self._sampling_params(request, prompt, max_tokens, logprobs=logprobs,
+                                        default_max_tokens=self.generation_defaults.max_tokens,
+                                        prompt_logprobs=request.prompt_logprobs,
                                         max_tokens_param=param, prompt_param="messages",
                                         structured_outputs=constraint)]
         return prompt, params, tool_plan
@@ -407,7 +453,7 @@ class OpenAIServing:
     ) -> p.ChatCompletionResponse | EventStream:
         prompt, params, tool_plan = await self.prepare_chat_completion(request)
         response_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = _ChatFormat(self, request, response_id, tool_plan.parser)
+        fmt = _ChatFormat(self, request, response_id, prompt, tool_plan.parser)
         return await self._run(request, [prompt], params, fmt)
 
     async def tokenize(self, request: p.TokenizeRequest) -> p.TokenizeResponse:
@@ -489,9 +535,31 @@ class OpenAIServing:
     # ---- sampling parameters ----
 
     def _check_common(self, request: p.GenerationRequest) -> None:
+        self.unknown_fields.check(request)
         self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        self._check_num_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if request.stream and request.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not available with stream=true (as in vLLM)",
+                              "prompt_logprobs")
+        if request.allowed_token_ids:
+            self._check_token_ids(request.allowed_token_ids, "allowed_token_ids")
+
+    def _truncate(self, prompt: PromptInput, truncate_prompt_tokens: int | None) -> PromptInput:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: the context length), as vLLM
+        keeps them; the text is dropped, as it no longer matches (echo decodes the ids)."""
+        if truncate_prompt_tokens is None:
+            return prompt
+        num_kept = (self.max_model_len if truncate_prompt_tokens == -1
+                    else truncate_prompt_tokens)
+        if not 1 <= num_kept <= self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens must be -1 (the context length) or in "
+                              f"[1, {self.max_model_len}], got {truncate_prompt_tokens}",
+                              "truncate_prompt_tokens")
+        if len(prompt.token_ids) <= num_kept:
+            return prompt
+        return PromptInput(prompt.token_ids[-num_kept:], None)
 
     async def _structured_outputs(self, request: p.GenerationRequest,
                                   tool_plan: ToolPlan | None = None
@@ -503,6 +571,7 @@ class OpenAIServing:
             sources.append("response_format")
         if request.structured_outputs is not None:
             sources.append("structured_outputs")
+        sources += [name for name in _GUIDED_FIELDS if getattr(request, name) is not None]
         if tool_plan is not None and tool_plan.constraint is not None:
             sources.append("tool_choice")
         if len(sources) > 1:
@@ -513,6 +582,9 @@ class OpenAIServing:
         try:
             if param == "tool_choice":
                 constraint = tool_plan.constraint
+            elif param in _GUIDED_FIELDS:
+                constraint = StructuredOutputsParams(**{_GUIDED_FIELDS[param]:
+                                                        getattr(request, param)})
             elif param == "structured_outputs":
                 so = request.structured_outputs
                 constraint = StructuredOutputsParams(json=so.json_, json_object=so.json_object,
@@ -528,6 +600,10 @@ class OpenAIServing:
                 constraint = StructuredOutputsParams(json=json_schema.schema_)
         except ValueError as error:
             raise bad_request(str(error), param) from None
+        whitespace_pattern = request.guided_whitespace_pattern
+        if request.structured_outputs is not None and whitespace_pattern is None:
+            whitespace_pattern = request.structured_outputs.whitespace_pattern
+        constraint = self._with_whitespace_pattern(constraint, whitespace_pattern)
         try:
             await asyncio.wait_for(
                 asyncio.to_thread(self.async_llm.validate_structured_outputs, constraint),
@@ -538,6 +614,24 @@ class OpenAIServing:
         except ValueError as error:
             raise bad_request(f"{param}: {error}", param) from None
         return constraint
+
+    @staticmethod
+    def _with_whitespace_pattern(constraint: StructuredOutputsParams, pattern: str | None
+                                 ) -> StructuredOutputsParams:
+        """guided_whitespace_pattern: a JSON schema constraint carries it to llguidance as the
+        schema's own "x-guidance" option; other constraints have no JSON whitespace."""
+        if pattern is None or constraint.json is None:
+            return constraint
+        schema = constraint.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                return constraint  # the backend's validation reports the broken JSON
+        if not isinstance(schema, dict):
+            return constraint
+        options = dict(schema.get("x-guidance") or {}, whitespace_pattern=pattern)
+        return StructuredOutputsParams(json={**schema, "x-guidance": options})
 
     def _sampling_params(
         self,
@@ -567,17 +661,26 @@ class OpenAIServing:
                 f"the prompt, {max_tokens} in the completion).", max_tokens_param)
         if request.stop_token_ids:
             self._check_token_ids(request.stop_token_ids, "stop_token_ids")
+        # A field the request leaves out takes the model's default (--generation-config), then
+        # the API's; a value the request gives always wins.
+        defaults = self.generation_defaults
+
+        def pick(value, default, api_default):
+            if value is not None:
+                return value
+            return api_default if default is None else default
+
         try:
             return SamplingParams(
                 n=request.n,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=request.top_k or 0,
-                min_p=request.min_p or 0.0,
+                temperature=pick(request.temperature, defaults.temperature, 1.0),
+                top_p=pick(request.top_p, defaults.top_p, 1.0),
+                top_k=pick(request.top_k, defaults.top_k, 0),
+                min_p=pick(request.min_p, defaults.min_p, 0.0),
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=(1.0 if request.repetition_penalty is None
-                                    else request.repetition_penalty),
+                repetition_penalty=pick(request.repetition_penalty, defaults.repetition_penalty,
+                                        1.0),
                 seed=request.seed,
                 stop=request.stop,
                 stop_token_ids=request.stop_token_ids,
@@ -590,6 +693,8 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logit_bias=self._logit_bias(request.logit_bias),
                 structured_outputs=structured_outputs,
+                allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words,
             )
         except ValueError as error:
             # SamplingParams names the offending field first: "top_p must be in (0, 1], got 0".
@@ -642,9 +747,9 @@ class OpenAIServing:
         generation = await self.start_generation(request, prompts, params, fmt.response_id)
         usage = _Usage([len(prompt.token_ids) for prompt in prompts])
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            events = self._stream(generation, fmt, usage, request.n, include_usage,
-                                  request.return_timeline)
+            options = request.stream_options or p.StreamOptions()
+            events = self._stream(generation, fmt, usage, request.n, bool(options.include_usage),
+                                  request.return_timeline, bool(options.continuous_usage_stats))
             return EventStream(events, generation)
         response = await self._collect(generation, fmt, usage, request.n)
         if request.return_timeline:
@@ -671,15 +776,23 @@ class OpenAIServing:
             await generation.aclose()
         final = [fmt.final_choice(index, index // n, choices[index], last_outputs[index // n])
                  for index in sorted(choices)]
-        return fmt.response(final, usage.info())
+        return fmt.response(final, usage.info(), last_outputs)
 
     async def _stream(self, generation: Generation, fmt: _ResponseFormat, usage: _Usage,
-                      n: int, include_usage: bool, return_timeline: bool = False
-                      ) -> AsyncIterator[str]:
+                      n: int, include_usage: bool, return_timeline: bool = False,
+                      continuous_usage: bool = False) -> AsyncIterator[str]:
+        """continuous_usage: every chunk carries the usage so far (vLLM's
+        continuous_usage_stats); include_usage: a last chunk carries the total."""
         choices: dict[int, _Choice] = {}
+
+        def with_usage(chunk: BaseModel) -> BaseModel:
+            if continuous_usage:
+                chunk.usage = usage.info()
+            return chunk
+
         try:
             for chunk in fmt.initial_chunks():
-                yield _sse(chunk)
+                yield _sse(with_usage(chunk))
             async for prompt_index, output in generation.outputs():
                 usage.add(prompt_index, output)
                 for completion in output.outputs:
@@ -690,7 +803,7 @@ class OpenAIServing:
                     streamed = fmt.stream_choice(index, prompt_index, output, completion, choice)
                     choice.finish_reason = completion.finish_reason
                     if streamed is not None:
-                        yield _sse(fmt.chunk([streamed]))
+                        yield _sse(with_usage(fmt.chunk([streamed])))
             if include_usage or return_timeline:
                 chunk = fmt.chunk([], usage=usage.info() if include_usage else None)
                 if return_timeline:
@@ -705,8 +818,10 @@ class OpenAIServing:
     # ---- logprobs ----
 
     def completion_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None],
-                            first_offset: int) -> p.CompletionLogProbs:
-        """Parallel lists; `positions[i]` is None for a prompt's first token (no logprob)."""
+                            first_offset: int, num_top: int) -> p.CompletionLogProbs:
+        """Parallel lists; `positions[i]` is None for a prompt's first token (no logprob).
+        num_top: the request's `logprobs` (echoed prompt positions may carry more, when
+        prompt_logprobs asked for more)."""
         result = p.CompletionLogProbs()
         offset = first_offset
         for token_id, position in zip(token_ids, positions):
@@ -717,12 +832,32 @@ class OpenAIServing:
             else:
                 text = position[token_id].decoded_token or ""
                 result.token_logprobs.append(_clamp(position[token_id].logprob))
-                result.top_logprobs.append({self._logprob_token(top_id, lp.decoded_token):
-                                            _clamp(lp.logprob)
-                                            for top_id, lp in position.items()})
+                result.top_logprobs.append({
+                    self._logprob_token(top_id, lp.decoded_token): _clamp(lp.logprob)
+                    for top_id, lp in position.items()
+                    if top_id == token_id or lp.rank is None or lp.rank <= num_top})
             result.tokens.append(self._logprob_token(token_id, text))
             result.text_offset.append(offset)
             offset += len(text)  # offsets count text, whatever the token's spelling
+        return result
+
+    def prompt_logprobs(self, request: p.GenerationRequest, output: RequestOutput
+                        ) -> p.PromptLogprobs | None:
+        """vLLM's prompt_logprobs field: per prompt position, the actual token and the top
+        `request.prompt_logprobs` (None when the request did not ask)."""
+        num_top = request.prompt_logprobs
+        if num_top is None or output.prompt_logprobs is None:
+            return None
+        result: p.PromptLogprobs = []
+        for token_id, position in zip(output.prompt_token_ids, output.prompt_logprobs):
+            if position is None:
+                result.append(None)
+                continue
+            result.append({
+                other_id: p.PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
+                                          decoded_token=lp.decoded_token)
+                for other_id, lp in position.items()
+                if other_id == token_id or (lp.rank is not None and lp.rank <= num_top)})
         return result
 
     def chat_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs],
