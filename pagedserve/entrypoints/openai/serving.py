@@ -3,7 +3,7 @@
 Completions and chat share one path: build prompts (tokenized off the event loop), check them
 against the model's limits, build SamplingParams, start one `AsyncLLM.generate` stream per prompt
 (`Generation`), then either collect the outputs or turn them into chunks. They differ only in
-prompt building and in a small format object (`_CompletionFormat`, `_ChatFormat`). Knows nothing
+prompt building and in a small format object (response_formats.py). Knows nothing
 of HTTP: api_server.py owns sockets, disconnects and headers; this module raises `APIError`.
 """
 
@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from pydantic import BaseModel
 
@@ -26,16 +23,21 @@ from pagedserve.entrypoints.openai.errors import APIError, bad_request
 from pagedserve.entrypoints.openai.frontend_options import FrontendOptions
 from pagedserve.entrypoints.openai.generation import EventStream, Generation
 from pagedserve.entrypoints.openai.request_fields import GenerationDefaults, UnknownFieldPolicy
-from pagedserve.entrypoints.openai.serving_lora import LoRAServing
-from pagedserve.entrypoints.openai.tool_parsers import (
-    ToolCallStreamer,
-    ToolParser,
-    new_tool_call_id,
+from pagedserve.entrypoints.openai.response_formats import (
+    ChatFormat,
+    Choice,
+    CompletionFormat,
+    PromptInput,
+    ResponseFormat,
+    Usage,
+    clamp_logprob,
+    sse,
 )
+from pagedserve.entrypoints.openai.serving_lora import LoRAServing
 from pagedserve.entrypoints.openai.tool_prompts import ToolPlan, plan_tools, template_messages
 from pagedserve.lora.request import LoRARequest
 from pagedserve.observability.timeline import TimelineStore
-from pagedserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedserve.outputs import PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -44,17 +46,6 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 
 GRAMMAR_VALIDATION_TIMEOUT_S = 10.0
 """A constraint that takes longer than this to check is refused (400)."""
-
-MIN_LOGPROB = -9999.0
-"""-inf (a token the sampler ruled out) is not valid JSON; vLLM sends this instead."""
-
-
-@dataclass(frozen=True)
-class PromptInput:
-    token_ids: list[int]
-    text: str | None
-    """The prompt as text, when it came as text (echo); None for token-id prompts."""
-
 
 def engine_error(error: ValueError | EngineDrainingError | EngineDeadError | EngineSleepingError
                  ) -> APIError:
@@ -70,266 +61,6 @@ def engine_error(error: ValueError | EngineDrainingError | EngineDeadError | Eng
     # The engine's messages name the offending field first ("bad_words tokenize to ...").
     name = str(error).split(" ", 1)[0]
     return bad_request(str(error), name if name in p.GenerationRequest.model_fields else None)
-
-
-# ---- per-request bookkeeping ------------------------------------------------------------------
-
-
-@dataclass
-class _Choice:
-    """One output sequence (choice) accumulated from DELTA outputs."""
-
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_sent_chars: int = 0
-    """Characters already streamed (completion logprobs' text_offset continues from here)."""
-    started: bool = False
-    """Whether a chunk was streamed for it yet (echo goes into the first one)."""
-    tool_streamer: ToolCallStreamer | None = None
-    """Chat with tools, streaming: turns the text so far into content and tool-call deltas."""
-
-    def add(self, completion: CompletionOutput) -> None:
-        self.text_parts.append(completion.text)
-        self.token_ids.extend(completion.token_ids)
-        self.logprobs.extend(completion.logprobs or ())
-        if completion.finish_reason is not None:
-            self.finish_reason = completion.finish_reason
-            self.stop_reason = completion.stop_reason
-
-
-@dataclass
-class _Usage:
-    num_prompt_tokens: list[int]
-    """Per prompt."""
-    num_cached_tokens: list[int] = field(default_factory=list)
-    num_tier_cached_tokens: list[int] = field(default_factory=list)
-    num_completion_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        self.num_cached_tokens = [0] * len(self.num_prompt_tokens)
-        self.num_tier_cached_tokens = [0] * len(self.num_prompt_tokens)
-
-    def add(self, prompt_index: int, output: RequestOutput) -> None:
-        if output.num_cached_tokens > self.num_cached_tokens[prompt_index]:
-            self.num_cached_tokens[prompt_index] = output.num_cached_tokens
-            self.num_tier_cached_tokens[prompt_index] = output.num_tier_cached_tokens
-        self.num_completion_tokens += sum(len(c.token_ids) for c in output.outputs)
-
-    def info(self) -> p.UsageInfo:
-        num_prompt_tokens = sum(self.num_prompt_tokens)
-        return p.UsageInfo(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=self.num_completion_tokens,
-            total_tokens=num_prompt_tokens + self.num_completion_tokens,
-            prompt_tokens_details=p.PromptTokensDetails(
-                cached_tokens=sum(self.num_cached_tokens),
-                kv_tier_cached_tokens=sum(self.num_tier_cached_tokens)),
-        )
-
-
-def _clamp(logprob: float) -> float:
-    return max(logprob, MIN_LOGPROB)
-
-
-def _sse(payload: BaseModel | dict) -> str:
-    if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json()}\n\n"
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-# ---- the two formats --------------------------------------------------------------------------
-
-
-class _ResponseFormat(Protocol):
-    """What differs between completions and chat once outputs flow (see _run)."""
-
-    def initial_chunks(self) -> list[BaseModel]:
-        """Chunks streamed before any output (chat: one role delta per choice)."""
-
-    def stream_choice(self, index: int, prompt_index: int, output: RequestOutput,
-                      completion: CompletionOutput, choice: _Choice) -> BaseModel | None:
-        """The streamed choice for one sequence's delta; None when there is nothing to send."""
-
-    def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel: ...
-
-    def final_choice(self, index: int, prompt_index: int, choice: _Choice,
-                     prompt_output: RequestOutput) -> BaseModel: ...
-
-    def response(self, choices: list, usage: p.UsageInfo,
-                 prompt_outputs: dict[int, RequestOutput]) -> BaseModel: ...
-
-
-class _CompletionFormat:
-    """/v1/completions: text choices, logprobs as parallel lists, optional echo of the prompt."""
-
-    def __init__(self, serving: OpenAIServing, request: p.CompletionRequest, response_id: str,
-                 prompts: list[PromptInput]) -> None:
-        self.serving = serving
-        self.request = request
-        self.response_id = response_id
-        self.prompts = prompts
-        self.created = int(time.time())
-
-    def _prompt_text(self, prompt_index: int) -> str:
-        prompt = self.prompts[prompt_index]
-        if prompt.text is not None:
-            return prompt.text
-        return self.serving.tokenizer.decode(prompt.token_ids)
-
-    def initial_chunks(self) -> list[BaseModel]:
-        return []
-
-    def stream_choice(self, index: int, prompt_index: int, output: RequestOutput,
-                      completion: CompletionOutput, choice: _Choice) -> p.CompletionChoice | None:
-        text, token_ids, positions = completion.text, completion.token_ids, completion.logprobs
-        wants_logprobs = self.request.logprobs is not None
-        wants_token_ids = bool(self.request.return_token_ids)
-        first = not choice.started
-        if self.request.echo and first:
-            text = self._prompt_text(prompt_index) + text
-            if wants_logprobs:
-                token_ids = output.prompt_token_ids + token_ids
-                positions = list(output.prompt_logprobs or [None]) + list(positions or [])
-        if (not text and completion.finish_reason is None
-                and not ((wants_logprobs or wants_token_ids) and completion.token_ids)):
-            return None
-        logprobs = None
-        if wants_logprobs:
-            logprobs = self.serving.completion_logprobs(token_ids, positions or [],
-                                                        choice.num_sent_chars,
-                                                        self.request.logprobs)
-        choice.started = True
-        choice.num_sent_chars += len(text)
-        return p.CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-            prompt_token_ids=output.prompt_token_ids if wants_token_ids and first else None,
-            token_ids=list(completion.token_ids) if wants_token_ids else None)
-
-    def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel:
-        return p.CompletionStreamResponse(id=self.response_id, created=self.created,
-                                          model=self.serving.response_model(self.request),
-                                          choices=choices, usage=usage)
-
-    def final_choice(self, index: int, prompt_index: int, choice: _Choice,
-                     prompt_output: RequestOutput) -> p.CompletionChoice:
-        text = "".join(choice.text_parts)
-        token_ids, positions = choice.token_ids, list(choice.logprobs)
-        if self.request.echo:
-            text = self._prompt_text(prompt_index) + text
-            token_ids = prompt_output.prompt_token_ids + token_ids
-            positions = list(prompt_output.prompt_logprobs or [None]) + positions
-        logprobs = None
-        if self.request.logprobs is not None:
-            logprobs = self.serving.completion_logprobs(token_ids, positions, 0,
-                                                        self.request.logprobs)
-        wants_token_ids = bool(self.request.return_token_ids)
-        return p.CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
-            stop_reason=choice.stop_reason,
-            prompt_logprobs=self.serving.prompt_logprobs(self.request, prompt_output),
-            prompt_token_ids=prompt_output.prompt_token_ids if wants_token_ids else None,
-            token_ids=choice.token_ids if wants_token_ids else None)
-
-    def response(self, choices: list, usage: p.UsageInfo,
-                 prompt_outputs: dict[int, RequestOutput]) -> BaseModel:
-        return p.CompletionResponse(id=self.response_id, created=self.created,
-                                    model=self.serving.response_model(self.request),
-                                    choices=choices, usage=usage)
-
-
-class _ChatFormat:
-    """/v1/chat/completions: an assistant message per choice, role delta first when streaming."""
-
-    def __init__(self, serving: OpenAIServing, request: p.ChatCompletionRequest,
-                 response_id: str, prompt: PromptInput, tool_parser: ToolParser | None = None
-                 ) -> None:
-        self.serving = serving
-        self.request = request
-        self.response_id = response_id
-        self.prompt = prompt
-        self.created = int(time.time())
-        self.num_top_logprobs = request.top_logprobs or 0
-        self.tool_parser = tool_parser
-
-    def _logprobs(self, token_ids: list[int], positions) -> p.ChatLogProbs | None:
-        if not self.request.logprobs:
-            return None
-        return self.serving.chat_logprobs(token_ids, positions or [], self.num_top_logprobs)
-
-    def initial_chunks(self) -> list[BaseModel]:
-        chunks = [
-            self.chunk([p.ChatCompletionStreamChoice(
-                index=index, delta=p.DeltaMessage(role="assistant", content=""))])
-            for index in range(self.request.n)
-        ]
-        if self.request.return_token_ids:
-            chunks[0].prompt_token_ids = self.prompt.token_ids  # vLLM: in the first chunk only
-        return chunks
-
-    def stream_choice(self, index: int, prompt_index: int, output: RequestOutput,
-                      completion: CompletionOutput, choice: _Choice
-                      ) -> p.ChatCompletionStreamChoice | None:
-        text, token_ids = completion.text, completion.token_ids
-        finish_reason = completion.finish_reason
-        tool_deltas = None
-        if self.tool_parser is not None:
-            if choice.tool_streamer is None:
-                choice.tool_streamer = ToolCallStreamer(self.tool_parser)
-            delta = choice.tool_streamer.update(text, final=finish_reason is not None)
-            text = delta.content
-            tool_deltas = [
-                p.DeltaToolCall(
-                    index=d.index, id=d.id, type="function" if d.id else None,
-                    function=p.DeltaFunctionCall(name=d.name, arguments=d.arguments))
-                for d in delta.tool_calls] or None
-            if finish_reason == "stop" and delta.num_calls:
-                finish_reason = "tool_calls"
-        wants_token_ids = bool(self.request.return_token_ids)
-        if (not text and not tool_deltas and finish_reason is None
-                and not ((self.request.logprobs or wants_token_ids) and token_ids)):
-            return None
-        return p.ChatCompletionStreamChoice(
-            index=index, delta=p.DeltaMessage(content=text or None, tool_calls=tool_deltas),
-            logprobs=self._logprobs(token_ids, completion.logprobs),
-            finish_reason=finish_reason, stop_reason=completion.stop_reason,
-            token_ids=list(token_ids) if wants_token_ids else None)
-
-    def chunk(self, choices: list, usage: p.UsageInfo | None = None) -> BaseModel:
-        return p.ChatCompletionStreamResponse(id=self.response_id, created=self.created,
-                                              model=self.serving.response_model(self.request),
-                                              choices=choices, usage=usage)
-
-    def final_choice(self, index: int, prompt_index: int, choice: _Choice,
-                     prompt_output: RequestOutput) -> p.ChatCompletionChoice:
-        text = "".join(choice.text_parts)
-        finish_reason = choice.finish_reason
-        message = p.ChatResponseMessage(content=text)
-        if self.tool_parser is not None:
-            parsed = self.tool_parser.parse(text, final=True)
-            calls = [p.ToolCall(id=new_tool_call_id(),
-                                function=p.FunctionCall(name=call.name, arguments=call.arguments))
-                     for call in parsed.calls]
-            message = p.ChatResponseMessage(content=parsed.content or None, tool_calls=calls)
-            if calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
-        return p.ChatCompletionChoice(
-            index=index, message=message,
-            logprobs=self._logprobs(choice.token_ids, choice.logprobs),
-            finish_reason=finish_reason, stop_reason=choice.stop_reason,
-            token_ids=choice.token_ids if self.request.return_token_ids else None)
-
-    def response(self, choices: list, usage: p.UsageInfo,
-                 prompt_outputs: dict[int, RequestOutput]) -> BaseModel:
-        # vLLM puts a chat's prompt fields on the response, not on the choices (one prompt).
-        return p.ChatCompletionResponse(
-            id=self.response_id, created=self.created,
-            model=self.serving.response_model(self.request), choices=choices, usage=usage,
-            prompt_logprobs=self.serving.prompt_logprobs(self.request, prompt_outputs[0]),
-            prompt_token_ids=self.prompt.token_ids if self.request.return_token_ids else None)
 
 
 # ---- the service ------------------------------------------------------------------------------
@@ -419,7 +150,7 @@ class OpenAIServing:
                                         structured_outputs=constraint)
                   for prompt in prompts]
         response_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
-        fmt = _CompletionFormat(self, request, response_id, prompts)
+        fmt = CompletionFormat(self, request, response_id, prompts)
         return await self._run(request, prompts, params, fmt)
 
     async def prepare_chat_completion(
@@ -453,7 +184,7 @@ class OpenAIServing:
     ) -> p.ChatCompletionResponse | EventStream:
         prompt, params, tool_plan = await self.prepare_chat_completion(request)
         response_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = _ChatFormat(self, request, response_id, prompt, tool_plan.parser)
+        fmt = ChatFormat(self, request, response_id, prompt, tool_plan.parser)
         return await self._run(request, [prompt], params, fmt)
 
     async def tokenize(self, request: p.TokenizeRequest) -> p.TokenizeResponse:
@@ -743,9 +474,9 @@ class OpenAIServing:
         return generation
 
     async def _run(self, request: p.GenerationRequest, prompts: list[PromptInput],
-                   params: list[SamplingParams], fmt: _ResponseFormat) -> BaseModel | EventStream:
+                   params: list[SamplingParams], fmt: ResponseFormat) -> BaseModel | EventStream:
         generation = await self.start_generation(request, prompts, params, fmt.response_id)
-        usage = _Usage([len(prompt.token_ids) for prompt in prompts])
+        usage = Usage([len(prompt.token_ids) for prompt in prompts])
         if request.stream:
             options = request.stream_options or p.StreamOptions()
             events = self._stream(generation, fmt, usage, request.n, bool(options.include_usage),
@@ -759,9 +490,9 @@ class OpenAIServing:
     def _timeline(self, response_id: str) -> dict | None:
         return self.timelines.get(response_id) if self.timelines is not None else None
 
-    async def _collect(self, generation: Generation, fmt: _ResponseFormat, usage: _Usage,
+    async def _collect(self, generation: Generation, fmt: ResponseFormat, usage: Usage,
                        n: int) -> BaseModel:
-        choices: dict[int, _Choice] = {}
+        choices: dict[int, Choice] = {}
         last_outputs: dict[int, RequestOutput] = {}
         try:
             async for prompt_index, output in generation.outputs():
@@ -769,7 +500,7 @@ class OpenAIServing:
                 last_outputs[prompt_index] = output
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
-                    choices.setdefault(index, _Choice()).add(completion)
+                    choices.setdefault(index, Choice()).add(completion)
         except (EngineDrainingError, EngineDeadError) as error:
             raise engine_error(error) from None
         finally:
@@ -778,12 +509,12 @@ class OpenAIServing:
                  for index in sorted(choices)]
         return fmt.response(final, usage.info(), last_outputs)
 
-    async def _stream(self, generation: Generation, fmt: _ResponseFormat, usage: _Usage,
+    async def _stream(self, generation: Generation, fmt: ResponseFormat, usage: Usage,
                       n: int, include_usage: bool, return_timeline: bool = False,
                       continuous_usage: bool = False) -> AsyncIterator[str]:
         """continuous_usage: every chunk carries the usage so far (vLLM's
         continuous_usage_stats); include_usage: a last chunk carries the total."""
-        choices: dict[int, _Choice] = {}
+        choices: dict[int, Choice] = {}
 
         def with_usage(chunk: BaseModel) -> BaseModel:
             if continuous_usage:
@@ -792,25 +523,25 @@ class OpenAIServing:
 
         try:
             for chunk in fmt.initial_chunks():
-                yield _sse(with_usage(chunk))
+                yield sse(with_usage(chunk))
             async for prompt_index, output in generation.outputs():
                 usage.add(prompt_index, output)
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
-                    choice = choices.setdefault(index, _Choice())
+                    choice = choices.setdefault(index, Choice())
                     if choice.finish_reason is not None:
                         continue  # a finished sibling (n > 1), repeated with nothing new
                     streamed = fmt.stream_choice(index, prompt_index, output, completion, choice)
                     choice.finish_reason = completion.finish_reason
                     if streamed is not None:
-                        yield _sse(with_usage(fmt.chunk([streamed])))
+                        yield sse(with_usage(fmt.chunk([streamed])))
             if include_usage or return_timeline:
                 chunk = fmt.chunk([], usage=usage.info() if include_usage else None)
                 if return_timeline:
                     chunk.timeline = self._timeline(fmt.response_id)
-                yield _sse(chunk)
+                yield sse(chunk)
         except (EngineDrainingError, EngineDeadError) as error:
-            yield _sse(engine_error(error).body())
+            yield sse(engine_error(error).body())
         finally:
             await generation.aclose()
         yield "data: [DONE]\n\n"
@@ -831,9 +562,9 @@ class OpenAIServing:
                 result.top_logprobs.append(None)
             else:
                 text = position[token_id].decoded_token or ""
-                result.token_logprobs.append(_clamp(position[token_id].logprob))
+                result.token_logprobs.append(clamp_logprob(position[token_id].logprob))
                 result.top_logprobs.append({
-                    self._logprob_token(top_id, lp.decoded_token): _clamp(lp.logprob)
+                    self._logprob_token(top_id, lp.decoded_token): clamp_logprob(lp.logprob)
                     for top_id, lp in position.items()
                     if top_id == token_id or lp.rank is None or lp.rank <= num_top})
             result.tokens.append(self._logprob_token(token_id, text))
@@ -854,7 +585,7 @@ class OpenAIServing:
                 result.append(None)
                 continue
             result.append({
-                other_id: p.PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
+                other_id: p.PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
                                           decoded_token=lp.decoded_token)
                 for other_id, lp in position.items()
                 if other_id == token_id or (lp.rank is not None and lp.rank <= num_top)})
@@ -870,10 +601,10 @@ class OpenAIServing:
                          key=lambda item: item[1].rank)[:num_top]
             content.append(p.ChatLogProbsContent(
                 token=self._logprob_token(token_id, chosen.decoded_token),
-                logprob=_clamp(chosen.logprob),
+                logprob=clamp_logprob(chosen.logprob),
                 bytes=list((chosen.decoded_token or "").encode()),
                 top_logprobs=[p.ChatLogProb(token=self._logprob_token(top_id, lp.decoded_token),
-                                            logprob=_clamp(lp.logprob),
+                                            logprob=clamp_logprob(lp.logprob),
                                             bytes=list((lp.decoded_token or "").encode()))
                               for top_id, lp in top]))
         return p.ChatLogProbs(content=content)

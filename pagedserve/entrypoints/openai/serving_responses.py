@@ -23,12 +23,8 @@ from pagedserve.engine.async_llm import EngineDeadError, EngineDrainingError
 from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
 from pagedserve.entrypoints.openai.generation import EventStream, Generation
-from pagedserve.entrypoints.openai.serving import (
-    OpenAIServing,
-    _Choice,
-    _Usage,
-    engine_error,
-)
+from pagedserve.entrypoints.openai.response_formats import Choice, Usage
+from pagedserve.entrypoints.openai.serving import OpenAIServing, engine_error
 
 DEFAULT_STORE_SIZE = 1024
 """Responses kept for previous_response_id and GET /v1/responses/{id} (least recently used
@@ -279,8 +275,8 @@ class _Turn:
     response: ResponseObject
     history: tuple[p.ChatMessage, ...]
     """The previous responses' conversation and this request's input (no instructions)."""
-    usage: _Usage
-    choice: _Choice
+    usage: Usage
+    choice: Choice
     item_id: str
 
 
@@ -321,7 +317,7 @@ class ResponsesServing:
         except APIError as error:
             error.param = _CHAT_PARAMS.get(error.param, error.param)
             raise
-        turn = _Turn(request, response, history, _Usage([len(prompt.token_ids)]), _Choice(),
+        turn = _Turn(request, response, history, Usage([len(prompt.token_ids)]), Choice(),
                      item_id=f"msg_{uuid.uuid4().hex}")
         if request.stream:
             return EventStream(self._stream(turn, generation), generation)
