@@ -5,6 +5,8 @@ routes and bound, and refused features."""
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 
 import httpx
 import openai
@@ -175,6 +177,15 @@ def test_unsupported_or_bad_fields_are_400(http, body, param, says):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+def test_unknown_fields_are_served_and_warned_about(http, caplog):
+    name = f"not_a_responses_field_{uuid.uuid4().hex[:8]}"
+    caplog.set_level(logging.WARNING, logger="pagedserve.entrypoints.openai.request_fields")
+    response = http.post("/v1/responses", json={**GREEDY, "input": "hi", "max_output_tokens": 2,
+                                               name: 1})
+    assert response.status_code == 200, response.text
+    assert any(repr(name) in record.getMessage() for record in caplog.records)
 
 
 def test_store_evicts_least_recently_used():

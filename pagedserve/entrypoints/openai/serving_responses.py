@@ -301,6 +301,7 @@ class ResponsesServing:
 
     async def create_response(self, request: ResponsesRequest) -> ResponseObject | EventStream:
         """The finished response, or (stream=True) its events once generation runs."""
+        self.serving.unknown_fields.check(request)
         for name, unsupported in _UNSUPPORTED.items():
             if unsupported(getattr(request, name)):
                 raise bad_request(f"{name} is not supported by this server", name)
