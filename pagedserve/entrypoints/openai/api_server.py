@@ -46,7 +46,9 @@ from pagedserve.entrypoints.openai.observability_routes import (
     add_profiler_routes,
     attach_request_tracer,
 )
+from pagedserve.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from pagedserve.entrypoints.openai.serving import OpenAIServing
+from pagedserve.entrypoints.openai.serving_embeddings import EmbeddingServing
 from pagedserve.entrypoints.openai.serving_lora import (
     LoRAModule,
     LoRAServing,
@@ -60,6 +62,7 @@ from pagedserve.models.loader import DEFAULT_MODEL
 from pagedserve.observability.live_stats import LiveStats
 from pagedserve.observability.timeline import DEFAULT_HISTORY as DEFAULT_TIMELINE_HISTORY
 from pagedserve.observability.timeline import TimelineStore
+from pagedserve.pooling_params import POOLING_TYPES
 from pagedserve.router.config import POLICY_NAMES
 
 logger = logging.getLogger(__name__)
@@ -100,6 +103,8 @@ class ServerConfig:
     """Finished requests whose timelines GET /v1/requests/{id}/timeline still answers."""
     otlp_traces_endpoint: str | None = None
     """Export an OpenTelemetry span per finished request here (OTLP/HTTP protobuf)."""
+    pooling_type: str = "last"
+    """How /v1/embeddings pools the final hidden states: "last" (token) or "mean"."""
 
     def __post_init__(self) -> None:
         if self.max_num_waiting < 0:
@@ -115,6 +120,9 @@ class ServerConfig:
         if self.enable_lora_runtime_updates and self.lora_dir is None:
             raise ValueError("--enable-lora-runtime-updates needs --lora-dir: the one directory "
                              "adapters may be loaded from at run time")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"--pooling-type must be one of {', '.join(POOLING_TYPES)}, got "
+                             f"{self.pooling_type!r}")
         if self.otlp_traces_endpoint is not None:
             from pagedserve.observability.tracing import check_endpoint
 
@@ -137,6 +145,7 @@ class ServerConfig:
                                          or runtime_updates_from_env()),
             timeline_history=args.timeline_history,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
+            pooling_type=args.pooling_type,
         )
 
 
@@ -380,6 +389,15 @@ def build_app(
         check_capacity()
         request = await read_request(raw_request, p.ChatCompletionRequest)
         return await respond(raw_request, serving.create_chat_completion(request))
+
+    embeddings = EmbeddingServing(serving, config.pooling_type)
+    app.state.embeddings = embeddings
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(raw_request: Request) -> Response:
+        check_capacity()
+        request = await read_request(raw_request, EmbeddingRequest)
+        return await respond(raw_request, embeddings.create_embedding(request))
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:
@@ -647,6 +665,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                        help="export an OpenTelemetry span per finished request over OTLP/HTTP, "
                             "e.g. http://localhost:4318/v1/traces (needs pagedserve[otlp])")
+    group.add_argument("--pooling-type", choices=POOLING_TYPES, default=ServerConfig.pooling_type,
+                       help="how /v1/embeddings pools the final hidden states: the last "
+                            "token's (vLLM's default for decoder models) or their mean")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
     group.add_argument("--disable-log-stats", action="store_true",
