@@ -5,6 +5,7 @@ beside embeddings unchanged. fp32; every engine is checked idle (all KV blocks f
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -153,6 +154,29 @@ def test_a_prompt_may_fill_the_context_and_bad_requests_are_refused(make_tiny):
         PoolingParams("cls")
     with pytest.raises(ValueError, match="dimensions must be >= 1"):
         PoolingParams(dimensions=0)
+
+
+def test_a_lora_adapter_applies_to_embeddings(make_tiny, hf_model, tmp_path):
+    """An adapter named by the request changes the vector, to PEFT's pooled hidden states."""
+    peft = pytest.importorskip("peft")
+    from pagedserve.lora import LoRARequest
+    from tests.lora.helpers import make_adapter
+
+    adapter_path = make_adapter(hf_model, tmp_path / "adapter", 8,
+                                ["q_proj", "v_proj", "down_proj"], seed=1)
+    llm = make_tiny(enable_lora=True, max_loras=1, max_lora_rank=8)
+    params = PoolingParams("mean")
+    base = embed(llm, PROMPTS[:2], params)
+    outputs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS[:2]], params,
+                        lora_request=LoRARequest("a", 1, adapter_path))
+    # A copy: PEFT wraps and merges into the model it is given (the fixture is shared).
+    peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(hf_model),
+                                                adapter_path).merge_and_unload()
+    for prompt, output, base_vector in zip(PROMPTS, outputs, base):
+        vector = torch.tensor(output.outputs.embedding)
+        assert not torch.allclose(vector, base_vector, atol=1e-3)  # the adapter acted
+        torch.testing.assert_close(vector, reference_embedding(peft_model, prompt, params),
+                                   atol=TOLERANCE, rtol=0)
 
 
 def test_pooling_params_cross_the_wire():
