@@ -140,6 +140,21 @@ def test_generation_beside_embeddings_is_unchanged(make_tiny):
                                    expected, atol=TOLERANCE, rtol=0)
 
 
+def test_pipeline_stages_give_the_one_process_embedding(make_tiny):
+    """Two stages in worker processes (PoolingParams and vectors cross as msgpack; the last
+    stage pools), with chunks of one prompt in flight in both stages at once."""
+    single = make_tiny(max_num_batched_tokens=16, max_num_seqs=4)
+    staged = make_tiny(max_num_batched_tokens=16, max_num_seqs=4, pipeline_parallel_size=2)
+    prompts = [LONG_PROMPT, PROMPTS[0]]
+    for pooling_type in ("last", "mean"):
+        expected = embed(single, prompts, PoolingParams(pooling_type))
+        vectors = embed(staged, prompts, PoolingParams(pooling_type, dimensions=48))
+        for vector, full in zip(vectors, expected):
+            torch.testing.assert_close(
+                vector, torch.nn.functional.normalize(full[:48], dim=-1), atol=TOLERANCE, rtol=0)
+    assert staged.engine.max_batches_in_flight == 2  # the feature acted: both stages were busy
+
+
 def test_a_prompt_may_fill_the_context_and_bad_requests_are_refused(make_tiny):
     llm = make_tiny(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8)
     # Nothing is generated, so a pooling prompt may be as long as the context.
