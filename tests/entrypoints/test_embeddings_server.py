@@ -173,3 +173,24 @@ def test_unknown_model_is_404_and_truncation_keeps_the_last_tokens(server, token
 
 def _auth() -> dict:
     return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_pooling_type_mean_from_the_flag(server):
+    """--pooling-type mean reaches the endpoint; mean vectors are unit-norm and not the last
+    token's (the engine tests check both against transformers)."""
+    import argparse
+
+    from pagedserve.entrypoints.openai.api_server import ServerConfig, add_cli_args
+    from pagedserve.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+    from pagedserve.entrypoints.openai.serving_embeddings import EmbeddingServing
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    config = ServerConfig.from_cli_args(parser.parse_args(["--pooling-type", "mean"]))
+    assert config.pooling_type == "mean"
+    mean_serving = EmbeddingServing(server.app.state.embeddings.serving, config.pooling_type)
+    request = EmbeddingRequest(input=SENTENCES[:2], encoding_format="float")
+    mean = np.array([d.embedding for d in asyncio.run(mean_serving.create_embedding(request)).data])
+    last = vectors(server.openai().embeddings.create(model=MODEL_NAME, input=SENTENCES[:2]))
+    np.testing.assert_allclose(np.linalg.norm(mean, axis=1), 1.0, atol=1e-5)
+    assert np.abs(mean - last).max() > 1e-2

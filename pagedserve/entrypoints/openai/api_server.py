@@ -62,7 +62,7 @@ from pagedserve.models.loader import DEFAULT_MODEL
 from pagedserve.observability.live_stats import LiveStats
 from pagedserve.observability.timeline import DEFAULT_HISTORY as DEFAULT_TIMELINE_HISTORY
 from pagedserve.observability.timeline import TimelineStore
-from pagedserve.pooling_params import POOLING_TYPES
+from pagedserve.pooling_params import POOLING_TYPES, PoolingParams
 from pagedserve.router.config import POLICY_NAMES
 
 logger = logging.getLogger(__name__)
@@ -120,9 +120,7 @@ class ServerConfig:
         if self.enable_lora_runtime_updates and self.lora_dir is None:
             raise ValueError("--enable-lora-runtime-updates needs --lora-dir: the one directory "
                              "adapters may be loaded from at run time")
-        if self.pooling_type not in POOLING_TYPES:
-            raise ValueError(f"--pooling-type must be one of {', '.join(POOLING_TYPES)}, got "
-                             f"{self.pooling_type!r}")
+        PoolingParams(self.pooling_type)  # ValueError for an unknown type, before any load
         if self.otlp_traces_endpoint is not None:
             from pagedserve.observability.tracing import check_endpoint
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import uuid
 
 import numpy as np
@@ -25,7 +26,7 @@ from pagedserve.entrypoints.openai.protocol_embeddings import (
 )
 from pagedserve.entrypoints.openai.serving import OpenAIServing, engine_error
 from pagedserve.lora.request import LoRARequest
-from pagedserve.pooling_params import POOLING_TYPES, PoolingParams
+from pagedserve.pooling_params import PoolingParams
 
 ENGINE_ERRORS = (ValueError, EngineDrainingError, EngineDeadError, EngineSleepingError)
 """What AsyncLLM.encode raises for a request it cannot serve (serving.engine_error maps them)."""
@@ -36,12 +37,10 @@ class EmbeddingServing:
     tokenizer and engine)."""
 
     def __init__(self, serving: OpenAIServing, pooling_type: str = "last") -> None:
-        if pooling_type not in POOLING_TYPES:
-            raise ValueError(f"--pooling-type must be one of {', '.join(POOLING_TYPES)}, got "
-                             f"{pooling_type!r}")
+        """pooling_type: one of POOLING_TYPES (ValueError otherwise)."""
         self.serving = serving
         self.async_llm = serving.async_llm
-        self.pooling_type = pooling_type
+        self.default_params = PoolingParams(pooling_type)
         self.hidden_size = serving.async_llm.model_config.hidden_size
 
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
@@ -65,7 +64,8 @@ class EmbeddingServing:
         if request.dimensions is not None and request.dimensions > self.hidden_size:
             raise bad_request(f"dimensions must be at most the model's embedding size "
                               f"{self.hidden_size}, got {request.dimensions}", "dimensions")
-        return PoolingParams(self.pooling_type, request.dimensions, request.normalize)
+        return dataclasses.replace(self.default_params, dimensions=request.dimensions,
+                                   normalize=request.normalize)
 
     async def _token_lists(self, request: EmbeddingRequest) -> list[list[int]]:
         """Each input's token ids, truncated as asked; 400 for an input that cannot fit."""
