@@ -51,8 +51,9 @@ class LLM:
         `error` set and finish_reason "abort"; the others are unaffected.
         """
         prompts = _prompt_list(prompts)
-        params_list = _per_prompt(sampling_params or SamplingParams(), SamplingParams,
-                                  len(prompts), "sampling params")
+        params_list = _per_prompt(
+            SamplingParams() if sampling_params is None else sampling_params, SamplingParams,
+            len(prompts), "sampling params")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         lora_requests = _per_prompt(lora_request, LoRARequest, len(prompts), "lora requests")
         # Offline there is no loop to keep serving: check constraints up front, so that a bad
@@ -84,8 +85,9 @@ class LLM:
         L2-normalized final hidden state (PoolingParams: last-token pooling by default).
         Served by the same engine as generate, as prefill-only requests."""
         prompts = _prompt_list(prompts)
-        params_list = _per_prompt(pooling_params or PoolingParams(), PoolingParams,
-                                  len(prompts), "pooling params")
+        params_list = _per_prompt(
+            PoolingParams() if pooling_params is None else pooling_params, PoolingParams,
+            len(prompts), "pooling params")
         lora_requests = _per_prompt(lora_request, LoRARequest, len(prompts), "lora requests")
         request_ids = []
         try:
