@@ -16,9 +16,12 @@ _EXPORTS = {
     "EngineArgs": "pagedserve.engine.arg_utils",
     "SamplingParams": "pagedserve.sampling_params",
     "StructuredOutputsParams": "pagedserve.sampling_params",
+    "PoolingParams": "pagedserve.pooling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "OutputKind": "pagedserve.outputs",
+    "PoolingRequestOutput": "pagedserve.outputs",
+    "EmbeddingOutput": "pagedserve.outputs",
     "LoRARequest": "pagedserve.lora.request",
 }
 

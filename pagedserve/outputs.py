@@ -1,5 +1,6 @@
 """What the engine returns to users: one RequestOutput per request, one CompletionOutput per
-sequence (n > 1 gives several), with text, token ids, logprobs and timing."""
+sequence (n > 1 gives several), with text, token ids, logprobs and timing; and for a pooling
+(embedding) request one PoolingRequestOutput with its EmbeddingOutput."""
 
 from __future__ import annotations
 
@@ -88,3 +89,30 @@ class RequestOutput:
     error: str | None = None
     """Why the request failed before generating anything (e.g. its grammar did not compile);
     its sequences then end with finish_reason "abort"."""
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+    """The pooled vector: truncated to the request's dimensions, L2-normalized (PoolingParams)."""
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling (embedding) request returns: one output, when its prompt is computed."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    """None when the request was aborted (or failed: see `error`) before its prompt was done."""
+    finished: bool
+    num_cached_tokens: int
+    """Prompt tokens whose KV came from the prefix cache (only last pooling reuses any)."""
+    metrics: RequestMetrics
+    error: str | None = None
+    """Why the request failed (e.g. its LoRA adapter did not load)."""

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -73,7 +74,8 @@ class RequestTimes:
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
+    """None for a pooling request."""
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     """Lower runs first; equal priorities run in arrival order."""
@@ -84,6 +86,9 @@ class Request:
     lora_digest: str | None = None
     """The adapter's content digest: its KV is cached apart from other adapters' and the base's."""
     arrival_time: float = field(default_factory=time.monotonic)
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling (embedding) request: it computes its prompt, samples nothing, and
+    finishes with the pooled vector."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -139,6 +144,14 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Whether the output of every prompt position is needed (prompt logprobs, mean
+        pooling): then no prefix-cache or KV-tier hit may skip computing one."""
+        if self.pooling_params is not None:
+            return self.pooling_params.needs_every_position
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def max_tokens(self) -> int:

@@ -51,8 +51,9 @@ class KVCacheManager:
         Nothing is reserved: the blocks are only safe to use if passed to `allocate_slots` in the
         same scheduling pass.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            # prompt logprobs need the logits of every prompt position: compute them all.
+        if not self.enable_caching or request.needs_every_prompt_position:
+            # Prompt logprobs and mean pooling need the output of every prompt position (a hit
+            # reuses KV, not hidden states): compute them all. Their blocks are still indexed.
             return [], 0
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
                             request.cache_namespace)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedserve.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -23,12 +24,15 @@ class NewRequestData:
     token_ids: list[int]
     """Prompt plus any output tokens generated before a preemption."""
     num_prompt_tokens: int
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
+    """None for a pooling request."""
     block_ids: list[int]
     num_computed_tokens: int
     """Tokens with KV already in the cache (prefix-cache hits) before this step's tokens."""
     lora_int_id: int | None = None
     """The LoRA adapter the request runs with (None: the base model)."""
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling request: pool its prompt's hidden states, sample nothing."""
 
 
 @dataclass
@@ -119,6 +123,9 @@ class ModelRunnerOutput:
     """KV tier loads finished since the last step, and transfer counters."""
     timings: RunnerTimings | None = None
     """Where the runner's time went (the last pipeline stage's; None: not measured)."""
+    pooled_outputs: dict[str, list[float]] = field(default_factory=dict)
+    """req_id -> the pooled, truncated, normalized vector of each pooling request whose prompt
+    was completed this step (plain floats: no tensor leaves the runner)."""
 
 
 @dataclass
@@ -147,6 +154,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_tier_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    pooled_output: list[float] | None = None
+    """A pooling request's vector (it finishes with it)."""
 
     @property
     def finished(self) -> bool:

@@ -95,13 +95,21 @@ class Scheduler:
         """Raise ValueError if `request` could never run on this engine (nothing is queued)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        # The last sampled token never gets KV: a request holds at most this many tokens' KV.
-        max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len) - 1
-        if request.num_prompt_tokens >= self.config.max_model_len:
+        if request.pooling_params is not None:
+            # A pooling request computes its prompt and ends: every prompt token gets KV.
+            max_len = request.num_prompt_tokens
+            if max_len > self.config.max_model_len:
+                raise ValueError(f"prompt has {max_len} tokens; the context length is "
+                                 f"{self.config.max_model_len}")
+        elif request.num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens; the context length is "
                 f"{self.config.max_model_len} and at least one token must be generated"
             )
+        else:
+            # The last sampled token never gets KV: a request holds at most this many tokens' KV.
+            max_len = min(request.num_prompt_tokens + request.max_tokens,
+                          self.config.max_model_len) - 1
         num_blocks_needed = cdiv(max_len, self.block_size)
         num_usable = self.kv_cache_manager.block_pool.num_usable_blocks
         if num_blocks_needed > num_usable:
@@ -231,6 +239,7 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
                     lora_int_id=request.lora_int_id,
+                    pooling_params=request.pooling_params,
                 )
             )
         for request in skipped:
@@ -246,6 +255,7 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.get_block_ids(req_id),
                 num_computed_tokens=request.num_computed_tokens,
                 lora_int_id=request.lora_int_id,
+                pooling_params=request.pooling_params,
             ))
             self._unknown_to_runner.discard(req_id)
         new_req_ids = {data.req_id for data in new_reqs}
@@ -317,7 +327,7 @@ class Scheduler:
         """If a KV tier has more of the request's prefix and the connector will load it, reserve
         the blocks and park the request until the load is done. False: schedule it as usual
         (also when the pool is short now: it then computes what the tier had)."""
-        if self.connector is None or request.sampling_params.prompt_logprobs is not None:
+        if self.connector is None or request.needs_every_prompt_position:
             return False
         num_external = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
         if not num_external:
@@ -418,6 +428,10 @@ class Scheduler:
                 request.num_steps_in_flight -= 1
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            pooled = runner_output.pooled_outputs.get(req_id)
+            if pooled is not None:  # a pooling request's prompt is done: so is the request
+                outputs.append(self._finish_pooling(request, pooled))
+                continue
             new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
             new_logprobs = runner_output.logprobs.get(req_id)
             scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -477,6 +491,17 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _finish_pooling(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
+        """Finish a pooling request with its vector; its blocks go back to the pool now (full
+        ones stay in the prefix-cache index, like any finished request's)."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._free_request(request)
+        return EngineCoreOutput(
+            req_id=request.request_id, new_token_ids=[], finish_reason="stop",
+            num_cached_tokens=request.num_cached_tokens,
+            num_tier_cached_tokens=request.num_tier_cached_tokens,
+            first_scheduled_time=request.times.first_scheduled, pooled_output=pooled)
 
     def _cap_spec_tokens(self, request: Request, spec_token_ids: list[int]) -> list[int]:
         """Keep only drafts that could all be accepted: verifying k drafts yields up to k + 1
@@ -594,7 +619,9 @@ class Scheduler:
                     f"{request.request_id} computed {request.num_computed_tokens} tokens of "
                     f"{request.num_tokens} + {len(request.spec_token_ids)} drafts"
                 )
-            if request.num_tokens_with_spec >= self.config.max_model_len:
+            # (A pooling request's prompt may fill the context: it generates nothing.)
+            if (request.num_tokens_with_spec >= self.config.max_model_len
+                    and request.pooling_params is None):
                 raise RuntimeError(f"{request.request_id} has drafts past max_model_len")
             num_indexed = self.kv_cache_manager.num_cached_blocks.get(request.request_id, 0)
             if num_indexed > request.num_tokens // self.block_size:

@@ -25,7 +25,8 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import EngineSleepingError, LLMEngine, PromptType
 from pagedserve.executor import ExecutorError
 from pagedserve.lora.request import LoRARequest
-from pagedserve.outputs import OutputKind, RequestOutput
+from pagedserve.outputs import OutputKind, PoolingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,36 @@ class AsyncLLM:
         Raises ValueError for bad input before anything is yielded. Stopping the iteration early
         (the client went away) aborts the request and frees its blocks.
         """
+        stream = self._run_request(prompt, params, request_id, priority, cache_salt,
+                                   lora_request)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()  # now, not at garbage collection: it aborts the request
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        params: PoolingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's name: yield the pooling request's one output (finished, with its vector) once
+        its prompt is computed. Bad input raises ValueError; stopping early aborts it."""
+        stream = self._run_request(prompt, params, request_id, priority, None, lora_request)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    async def _run_request(
+        self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str | None,
+        priority: int, cache_salt: str | None, lora_request: LoRARequest | None,
+    ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         if self.errored:
             raise EngineDeadError("the engine loop has failed")
         if self.is_draining:
@@ -125,7 +156,8 @@ class AsyncLLM:
                     raise item
                 finished = item.finished
                 if item.error is not None:
-                    # Failed before any token (its grammar did not compile): bad input.
+                    # Failed before any token (its grammar did not compile, its adapter did
+                    # not load): bad input.
                     raise ValueError(item.error)
                 yield item
         finally:
@@ -271,7 +303,7 @@ class AsyncLLM:
     def _abort_all(self) -> None:
         self._deliver_all(self.engine.abort_request(self.engine.request_ids))
 
-    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+    def _deliver_all(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         """Hand outputs to their callers: one wake-up per event loop per step, not per output
         (at 32 streams this keeps the HTTP side's share of the two cores down)."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
@@ -283,6 +315,8 @@ class AsyncLLM:
                 batches.setdefault(loop, []).append((queue_, output))
                 if output.finished:
                     del self._consumers[output.request_id]
+            if isinstance(output, PoolingRequestOutput):
+                continue  # the per-request stats are generation's (TTFT, ITL, tokens out)
             for stat_logger in self.stat_loggers:
                 stat_logger.record_output(output, now)
         for loop, items in batches.items():

@@ -1,4 +1,5 @@
-"""The offline API: LLM(model=...).generate(prompts, params) and LLM.chat(messages).
+"""The offline API: LLM(model=...).generate(prompts, params), LLM.chat(messages) and
+LLM.embed(prompts).
 
 LLM has an engine; it adds every prompt, steps until all finish and returns outputs in order.
 """
@@ -11,7 +12,8 @@ from typing import Any
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.lora.request import LoRARequest
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import PoolingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import Tokenizer
 
@@ -48,24 +50,12 @@ class LLM:
         A request whose grammar does not compile within the engine's budget comes back with
         `error` set and finish_reason "abort"; the others are unaffected.
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        prompts = _prompt_list(prompts)
+        params_list = _per_prompt(
+            SamplingParams() if sampling_params is None else sampling_params, SamplingParams,
+            len(prompts), "sampling params")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            lora_requests = [lora_request] * len(prompts)
-        else:
-            lora_requests = list(lora_request)
-            if len(lora_requests) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(lora_requests)} lora requests")
+        lora_requests = _per_prompt(lora_request, LoRARequest, len(prompts), "lora requests")
         # Offline there is no loop to keep serving: check constraints up front, so that a bad
         # one raises here (like any bad parameter) instead of failing its request later.
         for params in {id(p): p for p in params_list if p is not None}.values():
@@ -79,6 +69,31 @@ class LLM:
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                 request_ids.append(self.engine.add_request(None, prompt, params, priority=prio,
                                                            cache_salt=salt, lora_request=lora))
+        except ValueError:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Embed prompts (vLLM's LLM.embed): each output's `outputs.embedding` is its pooled,
+        L2-normalized final hidden state (PoolingParams: last-token pooling by default).
+        Served by the same engine as generate, as prefill-only requests."""
+        prompts = _prompt_list(prompts)
+        params_list = _per_prompt(
+            PoolingParams() if pooling_params is None else pooling_params, PoolingParams,
+            len(prompts), "pooling params")
+        lora_requests = _per_prompt(lora_request, LoRARequest, len(prompts), "lora requests")
+        request_ids = []
+        try:
+            for prompt, params, lora in zip(prompts, params_list, lora_requests):
+                request_ids.append(self.engine.add_request(None, prompt, params,
+                                                           lora_request=lora))
         except ValueError:
             self.engine.abort_request(request_ids)
             raise
@@ -142,10 +157,30 @@ class LLM:
         """Stop and write one Chrome trace (.pt.trace.json) per rank; returns their paths."""
         return self.engine.stop_profile()
 
-    def _run_engine(self, request_ids: list[str]) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run_engine(self, request_ids: list[str]) -> list:
+        """The requests' final outputs, in order (RequestOutput or PoolingRequestOutput)."""
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
                 if output.finished:
                     finished[output.request_id] = output
         return [finished[request_id] for request_id in request_ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """A single string, token-id list or dict is one prompt."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)
+
+
+def _per_prompt(value: Any, single_type: type, num_prompts: int, name: str) -> list:
+    """`value` for every prompt (None or one `single_type`), or its list, one per prompt."""
+    if value is None or isinstance(value, single_type):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        raise ValueError(f"{num_prompts} prompts but {len(values)} {name}")
+    return values

@@ -42,7 +42,8 @@ from pagedserve.observability.events import (
     RequestQueued,
     StepFinished,
 )
-from pagedserve.outputs import OutputKind, RequestOutput
+from pagedserve.outputs import OutputKind, PoolingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.manager import StructuredOutputManager
@@ -51,6 +52,9 @@ from pagedserve.tokenizer import Tokenizer
 from pagedserve.worker.profiler import step_range
 
 logger = logging.getLogger(__name__)
+
+EngineOutput = RequestOutput | PoolingRequestOutput
+"""What step() returns per request: generation's outputs, or a pooling request's one output."""
 
 PromptType = str | Sequence[int] | dict[str, Any]
 """A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
@@ -231,7 +235,7 @@ class LLMEngine:
         self,
         request_id: str | None,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -241,23 +245,16 @@ class LLMEngine:
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) if it is invalid, and
         EngineSleepingError while the engine sleeps.
+        params: SamplingParams to generate (default), PoolingParams to embed the prompt (the
+        request finishes with one PoolingRequestOutput once its prompt is computed).
         lora_request: run with this LoRA adapter (registered and loaded on first use)."""
         if self.sleep_level:
             raise EngineSleepingError("the engine is sleeping: wake it up first")
-        params = (params or SamplingParams()).clone()
         text, prompt_token_ids = self.process_prompt(prompt)
-        if params.bad_words:
-            params.tokenize_bad_words(
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        params.validate_for_vocab(self.config.model.vocab_size)
-        max_model_len = self.config.scheduler.max_model_len
-        if len(prompt_token_ids) >= max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; the context length is "
-                f"{max_model_len} (prompt plus at least one new token must fit)"
-            )
-        if params.max_tokens is None:
-            params.max_tokens = max_model_len - len(prompt_token_ids)
+        if isinstance(params, PoolingParams):
+            params.validate_for_hidden_size(self.config.model.hidden_size)
+        else:
+            params = self._sampling_params_for(params, len(prompt_token_ids))
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id is None:
@@ -267,18 +264,22 @@ class LLMEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         adapter = self._adapter_for(lora_request)
 
-        seq_params: dict[str, SamplingParams] = {}
-        for index in range(params.n):
-            child = params.clone()
-            child.n = 1
-            if params.seed is not None:
-                child.seed = params.seed + index
-            seq_params[request_id if params.n == 1 else f"{index}_{request_id}"] = child
+        if isinstance(params, PoolingParams):
+            seq_params: dict[str, SamplingParams | PoolingParams] = {request_id: params}
+        else:
+            seq_params = {}
+            for index in range(params.n):
+                child = params.clone()
+                child.n = 1
+                if params.seed is not None:
+                    child.seed = params.seed + index
+                seq_params[request_id if params.n == 1 else f"{index}_{request_id}"] = child
         requests = [
             Request(
                 request_id=seq_id,
                 prompt_token_ids=prompt_token_ids,
-                sampling_params=child,
+                sampling_params=child if isinstance(child, SamplingParams) else None,
+                pooling_params=child if isinstance(child, PoolingParams) else None,
                 eos_token_ids=self.eos_token_ids,
                 priority=priority,
                 cache_salt=cache_salt,
@@ -291,7 +292,7 @@ class LLMEngine:
         for request in requests:
             self.scheduler.check_request(request)
         grammar = None
-        if params.structured_outputs is not None:
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = self.structured_output_manager.request_grammar(params.structured_outputs)
             if grammar.done() and grammar.exception() is not None:
                 self.structured_output_manager.compile_failed()
@@ -300,11 +301,17 @@ class LLMEngine:
             request_id, text, prompt_token_ids, seq_params, output_kind, arrival_time
         )
         if self.events.enabled:
+            lora_name = lora_request.lora_name if adapter else None
             for request in requests:
-                self.events.emit(RequestQueued(
-                    request.request_id, request_id, arrival_time, request.num_prompt_tokens,
-                    request.max_tokens, lora_request.lora_name if adapter else None,
-                    float(params.temperature), float(params.top_p), params.n))
+                if request.pooling_params is not None:  # it generates nothing, samples nothing
+                    event = RequestQueued(request.request_id, request_id, arrival_time,
+                                          request.num_prompt_tokens, 0, lora_name)
+                else:
+                    event = RequestQueued(
+                        request.request_id, request_id, arrival_time, request.num_prompt_tokens,
+                        request.max_tokens, lora_name, float(params.temperature),
+                        float(params.top_p), params.n)
+                self.events.emit(event)
         if adapter is not None:
             self.lora_registry.acquire(adapter)
             self._request_adapters[request_id] = adapter.lora_int_id
@@ -320,6 +327,24 @@ class LLMEngine:
         self.events.publish()
         return request_id
 
+    def _sampling_params_for(self, params: SamplingParams | None,
+                             num_prompt_tokens: int) -> SamplingParams:
+        """A checked copy of a generation request's params, max_tokens filled in."""
+        params = (params or SamplingParams()).clone()
+        if params.bad_words:
+            params.tokenize_bad_words(
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        params.validate_for_vocab(self.config.model.vocab_size)
+        max_model_len = self.config.scheduler.max_model_len
+        if num_prompt_tokens >= max_model_len:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens; the context length is "
+                f"{max_model_len} (prompt plus at least one new token must fit)"
+            )
+        if params.max_tokens is None:
+            params.max_tokens = max_model_len - num_prompt_tokens
+        return params
+
     def _adapter_for(self, lora_request: LoRARequest | None) -> Adapter | None:
         if lora_request is None:
             return None
@@ -333,7 +358,7 @@ class LLMEngine:
                 request.constraint = self.structured_output_manager.new_state(grammar.result())
             self.scheduler.add_request(request)
 
-    def _admit_ready(self) -> list[RequestOutput]:
+    def _admit_ready(self) -> list[EngineOutput]:
         """Hand requests whose grammar is compiled and whose adapter is loaded to the scheduler;
         fail those whose grammar did not compile or ran past its budget, or whose adapter did not
         load. Returns the failed requests' final outputs."""
@@ -398,7 +423,7 @@ class LLMEngine:
             return f"LoRA adapter {adapter.name!r} failed to load: {adapter.load_error}"
         return None
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[EngineOutput]:
         """Abort requests (unknown or finished ids are ignored); returns their final outputs,
         whose unfinished sequences end with finish_reason "abort"."""
         if isinstance(request_ids, str):
@@ -424,7 +449,7 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         failed_outputs = self._admit_ready()
         start = time.monotonic()
         with step_range("pagedserve::schedule", self._profiling):
@@ -440,7 +465,7 @@ class LLMEngine:
         self.events.publish()
         return outputs
 
-    def _step_with_batch_queue(self) -> list[RequestOutput]:
+    def _step_with_batch_queue(self) -> list[EngineOutput]:
         """step() with pipeline stages: keep up to one batch per stage in flight, so stage 0
         computes batch i + 1 while stage 1 computes batch i. A request is in one batch at a time
         (its next token is not known before), so the running requests are spread over the
@@ -500,7 +525,7 @@ class LLMEngine:
 
     def _update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[RequestOutput]:
+    ) -> list[EngineOutput]:
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)
         for seq_id, stop_str in processed.stopped_by_string.items():
@@ -508,7 +533,7 @@ class LLMEngine:
         self._release_finished_if_idle()
         return self._release_adapters(processed.request_outputs)
 
-    def _release_adapters(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _release_adapters(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
         """Let go of the adapters of the requests that finished among `outputs`."""
         if self._request_adapters:
             for output in outputs:

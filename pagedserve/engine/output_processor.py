@@ -3,6 +3,7 @@
 Owns everything textual about a running request: incremental detokenization, stop strings,
 logprob dictionaries, and the fan-in of n > 1 sequences into one output. The scheduler knows none
 of it; when a stop string ends a sequence, this module reports it and the engine finishes it there.
+A pooling request is one sequence without text; its one output carries the vector.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from pagedserve.core.outputs import EngineCoreOutput, TokenLogprobs
 from pagedserve.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import (
     CompletionOutput,
+    EmbeddingOutput,
     Logprob,
     OutputKind,
+    PoolingRequestOutput,
     PositionLogprobs,
     RequestMetrics,
     RequestOutput,
 )
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import Tokenizer
 
@@ -29,7 +33,7 @@ class SequenceState:
     """One of a request's n sequences: a scheduler request of its own."""
 
     index: int
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
@@ -52,6 +56,9 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     num_tier_cached_tokens: int = 0
+    is_pooling: bool = False
+    embedding: list[float] | None = None
+    """A pooling request's vector, once its prompt is computed."""
 
     @property
     def finished(self) -> bool:
@@ -60,7 +67,7 @@ class RequestState:
 
 @dataclass
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     stopped_by_string: dict[str, str]
     """Scheduler request id -> the stop string that ended it; the engine must finish these."""
 
@@ -76,12 +83,17 @@ class OutputProcessor:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        seq_params: dict[str, SamplingParams],
+        seq_params: dict[str, SamplingParams | PoolingParams],
         output_kind: OutputKind,
         arrival_time: float,
     ) -> None:
+        """seq_params: one entry per sequence (a pooling request has one, its PoolingParams)."""
         sequences = {}
         for index, (seq_id, params) in enumerate(seq_params.items()):
+            if isinstance(params, PoolingParams):
+                sequences[seq_id] = SequenceState(index, params, detokenizer=None)
+                self._seq_to_request[seq_id] = request_id
+                continue
             detokenizer = None
             if params.detokenize:
                 detokenizer = IncrementalDetokenizer(
@@ -100,6 +112,7 @@ class OutputProcessor:
             )
             self._seq_to_request[seq_id] = request_id
         first_params = next(iter(seq_params.values()))
+        is_pooling = isinstance(first_params, PoolingParams)
         self.requests[request_id] = RequestState(
             request_id=request_id,
             prompt=prompt,
@@ -107,15 +120,17 @@ class OutputProcessor:
             output_kind=output_kind,
             sequences=sequences,
             metrics=RequestMetrics(arrival_time=arrival_time, n=len(sequences),
-                                   max_tokens=first_params.max_tokens),
-            prompt_logprobs=[None] if first_params.prompt_logprobs is not None else None,
+                                   max_tokens=None if is_pooling else first_params.max_tokens),
+            prompt_logprobs=(None if is_pooling or first_params.prompt_logprobs is None
+                             else [None]),
+            is_pooling=is_pooling,
         )
 
     def sequence_ids(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
         return list(state.sequences) if state else []
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
         """Forget a request; returns its final output (unfinished sequences end in "abort")."""
         state = self.requests.get(request_id)
         if state is None:
@@ -128,7 +143,8 @@ class OutputProcessor:
         self._forget(request_id)
         return output
 
-    def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
+    def fail_request(self, request_id: str, error: str
+                     ) -> RequestOutput | PoolingRequestOutput | None:
         """Like abort_request, with the reason in the final output's `error`."""
         output = self.abort_request(request_id)
         if output is not None:
@@ -156,6 +172,8 @@ class OutputProcessor:
                 state.num_tier_cached_tokens = out.num_tier_cached_tokens
             if out.first_scheduled_time is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = out.first_scheduled_time
+            if out.pooled_output is not None:
+                state.embedding = out.pooled_output
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
             if out.new_token_ids:
@@ -194,7 +212,10 @@ class OutputProcessor:
                 self._forget(request_id)
         return ProcessedOutputs(request_outputs, stopped_by_string)
 
-    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
+    def _make_output(self, state: RequestState, finished: bool
+                     ) -> RequestOutput | PoolingRequestOutput | None:
+        if state.is_pooling:
+            return self._make_pooling_output(state) if finished else None
         kind = state.output_kind
         if kind == OutputKind.FINAL_ONLY and not finished:
             return None
@@ -236,6 +257,18 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             num_tier_cached_tokens=state.num_tier_cached_tokens,
+            metrics=state.metrics,
+        )
+
+    @staticmethod
+    def _make_pooling_output(state: RequestState) -> PoolingRequestOutput:
+        return PoolingRequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=EmbeddingOutput(state.embedding) if state.embedding is not None else None,
+            finished=True,
+            num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
         )
 

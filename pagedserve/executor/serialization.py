@@ -34,6 +34,7 @@ from pagedserve.kv_transfer.base import (
     LoadJob,
     TierCounters,
 )
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Wire format: msgpack's own types stand for themselves. Anything else is a one-entry map
@@ -262,5 +263,5 @@ def decode(data: bytes) -> Any:
 for _cls in (SchedulerOutput, NewRequestData, CachedRequestData, GrammarOutput, ModelRunnerOutput,
              TokenLogprobs, EngineCoreOutput, SamplingParams, StructuredOutputsParams,
              KVConnectorMetadata, LoadJob, BlockTransfer, KVConnectorOutput, TierCounters,
-             RunnerTimings):
+             RunnerTimings, PoolingParams):
     register(_cls)

@@ -492,6 +492,11 @@ def build_app(router: Router) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         return await proxy(request, "/v1/chat/completions")
 
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: Request) -> Response:
+        # Prefill only: no prefix affinity to keep (last pooling's hits are a bonus), no P/D.
+        return await proxy(request, "/v1/embeddings", generates=False)
+
     @app.post("/add_worker")
     async def add_worker(url: str, label: str | None = None, role: str = "regular") -> dict:
         try:

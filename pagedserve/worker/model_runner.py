@@ -35,6 +35,7 @@ from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedserve.sampling_params import SamplingParams, SamplingType
 from pagedserve.spec_decode import TargetInfo, create_proposer
 from pagedserve.spec_decode.draft_model import DraftModelProposer
+from pagedserve.worker.pooler import PoolingState, pool_chunk
 
 INTERMEDIATE_TENSOR_NAMES = ("hidden_states", "residual")
 """What a pipeline stage hands the next one (see models/llama.py)."""
@@ -48,12 +49,15 @@ class CachedRequestState:
     token_ids: list[int]
     """Prompt + outputs so far; the runner appends what it samples."""
     num_prompt_tokens: int
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
+    """None for a pooling request."""
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     lora_int_id: int | None = None
+    pooling: PoolingState | None = None
+    """A pooling request's vector so far (it samples nothing)."""
 
 
 class ModelRunner:
@@ -174,7 +178,7 @@ class ModelRunner:
         for data in scheduler_output.scheduled_new_reqs:
             params = data.sampling_params
             generator = None
-            if params.seed is not None:
+            if params is not None and params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
             self.requests[data.req_id] = CachedRequestState(
@@ -187,6 +191,8 @@ class ModelRunner:
                 generator=generator,
                 output_token_ids=list(data.token_ids[data.num_prompt_tokens :]),
                 lora_int_id=data.lora_int_id,
+                pooling=(PoolingState(data.pooling_params)
+                         if data.pooling_params is not None else None),
             )
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed, new_token_ids in zip(
@@ -272,11 +278,13 @@ class ModelRunner:
 
         output = ModelRunnerOutput()
         self._compute_prompt_logprobs(states, num_scheduled, query_start_loc, hidden_states, output)
+        self._pool(states, num_scheduled, query_start_loc, hidden_states, output)
 
-        # Rows that sample: requests whose every known token now has KV (mid-prompt chunks don't).
+        # Rows that sample: generation requests whose every known token now has KV (mid-prompt
+        # chunks don't).
         sample_rows = [
             i for i, (s, n) in enumerate(zip(states, num_scheduled))
-            if s.num_computed_tokens + n >= len(s.token_ids)
+            if s.pooling is None and s.num_computed_tokens + n >= len(s.token_ids)
         ]
         plain_rows = [i for i in sample_rows if states[i].req_id not in spec_tokens]
         spec_rows = [i for i in sample_rows if states[i].req_id in spec_tokens]
@@ -499,6 +507,27 @@ class ModelRunner:
                     )
                 ]
 
+    def _pool(
+        self,
+        states: list[CachedRequestState],
+        num_scheduled: list[int],
+        query_start_loc: list[int],
+        hidden_states: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Pool the pooling requests' rows of this step; those whose prompt is now complete
+        get their vector in `output` (worker/pooler.py)."""
+        for i, (state, num_tokens) in enumerate(zip(states, num_scheduled)):
+            if state.pooling is None:
+                continue
+            start = query_start_loc[i]
+            vector = pool_chunk(
+                state.pooling, hidden_states[start : start + num_tokens],
+                state.num_computed_tokens,
+                state.num_computed_tokens + num_tokens >= len(state.token_ids))
+            if vector is not None:
+                output.pooled_outputs[state.req_id] = vector
+
     def _compute_prompt_logprobs(
         self,
         states: list[CachedRequestState],
@@ -509,6 +538,8 @@ class ModelRunner:
     ) -> None:
         """Logprob of each prompt token given the ones before it, for the chunk computed now."""
         for i, (state, num_tokens) in enumerate(zip(states, num_scheduled)):
+            if state.sampling_params is None:
+                continue  # a pooling request
             num_top = state.sampling_params.prompt_logprobs
             start = state.num_computed_tokens
             # position p predicts prompt token p + 1; the last prompt position predicts output

@@ -145,7 +145,7 @@ def test_replicas_are_plain_serve_processes_on_loopback(front):
     assert httpx.get(front.base_url + "/health", timeout=10).status_code == 200
 
 
-def test_tokenize_and_version_pass_through_the_front(front):
+def test_tokenize_embeddings_and_version_pass_through_the_front(front):
     tokens = httpx.post(front.base_url + "/tokenize", timeout=30,
                         json={"model": MODEL_NAME, "prompt": PROMPTS[0]}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0
@@ -153,6 +153,9 @@ def test_tokenize_and_version_pass_through_the_front(front):
                       json={"model": MODEL_NAME, "tokens": tokens["tokens"]}).json()["prompt"]
     assert text.endswith(PROMPTS[0])
     assert "version" in httpx.get(front.base_url + "/version", timeout=30).json()
+    embedding = httpx.post(front.base_url + "/v1/embeddings", timeout=30,
+                           json={"model": MODEL_NAME, "input": PROMPTS[0]}).json()
+    assert len(embedding["data"][0]["embedding"]) == 576  # SmolLM2-135M's hidden size
 
 
 def test_dp2_gives_the_same_greedy_tokens_as_one_engine(front, reference_texts):

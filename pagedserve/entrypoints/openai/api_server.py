@@ -51,7 +51,9 @@ from pagedserve.entrypoints.openai.observability_routes import (
     attach_request_tracer,
 )
 from pagedserve.entrypoints.openai.request_fields import GenerationDefaults
+from pagedserve.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from pagedserve.entrypoints.openai.serving import OpenAIServing
+from pagedserve.entrypoints.openai.serving_embeddings import EmbeddingServing
 from pagedserve.entrypoints.openai.serving_lora import (
     LoRAModule,
     LoRAServing,
@@ -70,6 +72,7 @@ from pagedserve.observability.live_stats import LiveStats
 from pagedserve.observability.startup import log_listening
 from pagedserve.observability.timeline import DEFAULT_HISTORY as DEFAULT_TIMELINE_HISTORY
 from pagedserve.observability.timeline import TimelineStore
+from pagedserve.pooling_params import POOLING_TYPES, PoolingParams
 from pagedserve.router.config import POLICY_NAMES
 
 logger = logging.getLogger(__name__)
@@ -144,6 +147,8 @@ class ServerConfig:
     generation_config: str = "auto"
     """Sampling defaults: `auto` (the model's generation_config.json), `vllm` (none), or a
     folder holding a generation_config.json (request_fields.GenerationDefaults)."""
+    pooling_type: str = "last"
+    """How /v1/embeddings pools the final hidden states: "last" (token) or "mean"."""
 
     def __post_init__(self) -> None:
         if self.max_num_waiting < 0:
@@ -162,6 +167,7 @@ class ServerConfig:
         if self.enable_lora_runtime_updates and self.lora_dir is None:
             raise ValueError("--enable-lora-runtime-updates needs --lora-dir: the one directory "
                              "adapters may be loaded from at run time")
+        PoolingParams(self.pooling_type)  # ValueError for an unknown type, before any load
         if self.otlp_traces_endpoint is not None:
             from pagedserve.observability.tracing import check_endpoint
 
@@ -222,6 +228,7 @@ class ServerConfig:
             disable_fastapi_docs=args.disable_fastapi_docs,
             strict_requests=args.strict_requests,
             generation_config=args.generation_config,
+            pooling_type=args.pooling_type,
         )
 
 
@@ -480,6 +487,15 @@ def build_app(
         check_capacity()
         request = await read_request(raw_request, p.ChatCompletionRequest)
         return await respond(raw_request, serving.create_chat_completion(request))
+
+    embeddings = EmbeddingServing(serving, config.pooling_type)
+    app.state.embeddings = embeddings
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(raw_request: Request) -> Response:
+        check_capacity()
+        request = await read_request(raw_request, EmbeddingRequest)
+        return await respond(raw_request, embeddings.create_embedding(request))
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:
@@ -807,6 +823,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="sampling defaults for fields a request leaves out: 'auto' reads "
                             "the model's generation_config.json, 'vllm' ignores it, or a folder "
                             "holding one (vLLM's flag)")
+    group.add_argument("--pooling-type", choices=POOLING_TYPES, default=ServerConfig.pooling_type,
+                       help="how /v1/embeddings pools the final hidden states: the last "
+                            "token's (vLLM's default for decoder models) or their mean")
     group.add_argument("--log-level", default=ServerConfig.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
     group.add_argument("--disable-log-stats", action="store_true",
