@@ -25,8 +25,11 @@ from pydantic import BaseModel, ValidationError
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.entrypoints.openai import protocol as p
 from pagedserve.entrypoints.openai.errors import APIError, bad_request, from_validation_error
+from pagedserve.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from pagedserve.entrypoints.openai.serving import OpenAIServing
+from pagedserve.entrypoints.openai.serving_embeddings import EmbeddingServing
 from pagedserve.entrypoints.openai.serving_responses import ResponsesRequest, ResponsesServing
+from pagedserve.pooling_params import POOLING_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +55,11 @@ class LineError(Exception):
         self.message = message
 
 
-def endpoints(serving: OpenAIServing, responses: ResponsesServing) -> dict[str, Endpoint]:
+def endpoints(serving: OpenAIServing, responses: ResponsesServing,
+              embeddings: EmbeddingServing) -> dict[str, Endpoint]:
     """The urls a batch line may name, over the serving objects the HTTP server uses."""
     return {
+        "/v1/embeddings": Endpoint(EmbeddingRequest, embeddings.create_embedding),
         "/v1/chat/completions": Endpoint(p.ChatCompletionRequest,
                                          serving.create_chat_completion),
         "/v1/completions": Endpoint(p.CompletionRequest, serving.create_completion),
@@ -202,7 +207,8 @@ async def _run(args: argparse.Namespace, lines: list[str], output: IO[str]) -> l
     try:
         serving = OpenAIServing(async_llm, args.served_model_name or args.model)
         # Nothing reads stored responses back in a batch: keep the store minimal.
-        urls = endpoints(serving, ResponsesServing(serving, store_size=1))
+        urls = endpoints(serving, ResponsesServing(serving, store_size=1),
+                         EmbeddingServing(serving, args.pooling_type))
         return await run_lines(lines, urls, output, args.max_concurrency)
     finally:
         await async_llm.shutdown(drain_timeout=0)
@@ -235,5 +241,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("batch")
     group.add_argument("--served-model-name", default=None,
                        help="the model name request bodies may give (default: --model)")
+    group.add_argument("--pooling-type", choices=POOLING_TYPES, default="last",
+                       help="how /v1/embeddings lines pool the final hidden states")
     group.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                        help="requests handed to the engine at once")

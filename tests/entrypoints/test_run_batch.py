@@ -1,5 +1,6 @@
-"""`pagedserve run-batch` as a user runs it (a subprocess on the default model): 50 mixed lines,
-good and bad, give 50 output lines in input order with a per-line error where one is due."""
+"""`pagedserve run-batch` as a user runs it (a subprocess on the default model): 50 mixed lines
+(chat, completions, responses, embeddings), good and bad, give 50 output lines in input order
+with a per-line error where one is due."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ def batch_lines() -> tuple[list[str], list[str]]:
         expected.append(outcome)
 
     for index in range(44):
-        kind = index % 3
-        if kind == 0:
+        kind = index % 4
+        if kind == 3:
+            url, body = "/v1/embeddings", {"input": f"The number {index}."}
+        elif kind == 0:
             url, body = "/v1/chat/completions", {
                 "messages": [{"role": "user", "content": f"Say the number {index}."}],
                 "max_tokens": MAX_TOKENS}
@@ -83,6 +86,10 @@ def test_run_batch_mixed_file(tmp_path):
                 assert body["choices"][0]["message"]["content"]
             elif entry["url"] == "/v1/completions":
                 assert body["object"] == "text_completion" and body["choices"][0]["text"]
+            elif entry["url"] == "/v1/embeddings":
+                assert body["object"] == "list" and len(body["data"]) == 1
+                assert abs(sum(x * x for x in body["data"][0]["embedding"]) - 1.0) < 1e-3
+                continue
             else:
                 assert body["object"] == "response" and body["output"][0]["content"][0]["text"]
             usage = body["usage"]
