@@ -90,7 +90,7 @@ class DataParallelConfig:
 def replica_flags(args: argparse.Namespace) -> list[str]:
     """The `serve` flags of `args` that differ from their defaults, less those the front owns:
     rebuilt from the parsed values, so `--port=1` or abbreviated flags need no care."""
-    from pagedserve.entrypoints.openai.api_server import add_cli_args
+    from pagedserve.entrypoints.openai.server_config import add_cli_args
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)

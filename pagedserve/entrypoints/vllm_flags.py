@@ -1,6 +1,6 @@
 """vLLM's `vllm serve` flags and what `pagedserve serve` does with each: the one table.
 
-SAME and MAPPED flags are registered by their owners (EngineArgs, api_server.add_cli_args);
+SAME and MAPPED flags are registered by their owners (EngineArgs, server_config.add_cli_args);
 IGNORED ones are registered here, accepted and logged once at start-up; UNSUPPORTED ones (and
 flags nobody knows) end the command with one line naming the flag, exit code 2.
 docs/vllm_compatibility.md holds this table as rendered by `render_markdown()`; a test keeps them
