@@ -143,8 +143,9 @@ class DeviceConfig:
     """Seed for the engine's unseeded sampling stream."""
     quantization: str = "auto"
     """"auto": also keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights packed for the int4 CPU kernel,
-    used for matmuls of at most a few rows (bfloat16 on the CPU only; see layers/linear.py);
-    "none": dequantize everything and run dense; "int4" / "int8": quantize every linear weight
+    used for matmuls of at most a few rows in bfloat16, and in float32 instead of the dense
+    weights, multiplied exactly (on the CPU only; see layers/linear.py); "none": dequantize
+    everything and run dense; "int4" / "int8": quantize every linear weight
     (and a tied head) on load, per 32-element group, and run packed only (bf16 on the CPU)."""
     cpu_kernels: bool = True
     """Use the compiled CPU kernels (csrc/cpu_ops.cpp) where they apply; False: the plain torch
@@ -165,8 +166,10 @@ class DeviceConfig:
 
     @property
     def keeps_weights_packed(self) -> bool:
-        """GGUF codes are loaded as they are (auto) and packed beside the dense weights."""
-        return self.quantization == "auto" and self._packs
+        """GGUF codes are loaded as they are (auto) and packed: beside the dense weights in bf16,
+        instead of them in fp32 (exact there; see layers/linear.py)."""
+        return (self.quantization == "auto" and self.device == "cpu"
+                and self.dtype in ("bfloat16", "float32"))
 
     @property
     def quantize_on_load(self) -> str | None:

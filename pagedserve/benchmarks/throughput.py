@@ -370,7 +370,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         _emit(result, format_prefix_cache_table(result), args.output_json)
         return result
     load_average_start = os.getloadavg()[0]
+    load_start = time.monotonic()
     llm = LLM(**vars(engine_args))
+    load_time = time.monotonic() - load_start  # as run_hf's: construction, weights included
     model_path = llm.engine.config.model_path
     workload = make_workload(args, llm.get_tokenizer().vocab_size)
     if args.chat_prompt:
@@ -394,6 +396,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         del single_llm
         gc.collect()
     ours, our_output_ids = run_pagedserve(llm, workload)
+    ours["load_time_s"] = load_time
     events = compare_events(llm, workload, args.compare_events) if args.compare_events else None
     profile_table = None
     if args.profile:
@@ -753,6 +756,7 @@ def format_table(result: dict[str, Any]) -> str:
         return "-" if value is None else format(value, fmt)
 
     rows = [
+        ("load time (s)", "load_time_s", ".2f"),
         ("total time (s)", "elapsed_s", ".2f"),
         ("requests/s", "requests_per_s", ".2f"),
         ("output tokens/s", "output_tokens_per_s", ".1f"),
@@ -829,6 +833,8 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{hf['num_outputs_identical_to_ours']:>14}")
         ratio = result["output_tokens_per_s_ratio"]
         lines.append(f"output tokens/s ratio pagedserve / hf: {ratio:.2f}x")
+        lines.append(f"load time ratio pagedserve / hf: "
+                     f"{ours['load_time_s'] / hf['load_time_s']:.2f}x")
     return "\n".join(lines)
 
 

@@ -387,12 +387,263 @@ void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The same GGUF-form weights multiplied exactly in fp32 (activation_bits = 32: the fp32 compute
+// path). Each weight is dequantized as gguf does, w = fma(scale, code, min): scale * code is
+// exact in fp32 (an fp16, or Q4_K's exact d * sc, times a code of at most 8 bits), so there is
+// one rounding, as in `GGUFQuantWeight.dequantize`, and the weights are the dense model's bit for
+// bit. Products are summed in fp32 by FMAs in an order fixed per output element: two partial
+// sums, each walking its elements group after group (`exact_element`, `exact_part`), then added.
+// No other row or column changes that order, so a row's result is the same bits in any batch.
+//
+// Two column blocks at a time are dequantized, a slice of groups at a time, into a scratch panel
+// ([group][vector][block][16 columns] fp32, vectors in the order the sums walk them) and then
+// multiplied by all the rows, kExactTile at a time: 16 accumulators (4 rows x 2 blocks x 2
+// parts: more spilled to the stack and ran slower, measured), one broadcast activation feeding
+// two FMAs. The activations are first interleaved per tile ([K][rows]), so that every broadcast
+// is one base pointer plus a constant.
+
+constexpr int kExactTile = 4;
+constexpr int kExactParts = 2;
+constexpr int kExactVectors = 32;  // weight vectors per group and block: one per element
+constexpr int64_t kExactRowChunk = 32 * kExactTile;  // whole tiles: kRowChunk rows
+constexpr int64_t kExactSliceGroups = 8;  // groups dequantized at a time (see exact_linear_impl)
+
+// Element (within its group) of the j-th weight vector of a dequantized group.
+template <int kBits>
+constexpr int exact_element(int j) {
+  if constexpr (kBits == 4) {  // chunk j / 8: its byte e = (j % 8) / 2, low then high nibble
+    const int i = j / 8, e = (j % 8) / 2;
+    return (j % 2) ? 16 + 4 * i + e : 4 * i + e;
+  } else {
+    return j;  // chunk j / 4, byte j % 4: element 4 * (j / 4) + j % 4
+  }
+}
+
+// The partial sum the j-th weight vector of a group joins: consecutive vectors go to different
+// sums, so that FMAs in a row do not wait on each other.
+constexpr int exact_part(int j) {
+  return j % kExactParts;
+}
+
+// One group of one column block into the panel: vector j (16 columns) at out + j * stride.
+// A 4-bit code becomes a float by a table lookup (vpermps reads only an index's low 4 bits, so
+// the shifted lane needs no mask): shifts and lookups then share the two vector ports.
+template <int kBits, typename S>
+inline void dequantize_group(const uint8_t* cg, const S* scales, const S* mins, float* out,
+                             int64_t stride) {
+  constexpr int kChunks = kBits == 4 ? 4 : 8;
+#ifdef PAGEDSERVE_AVX512
+  const __m512 scale = load_scales(scales), minimum = load_scales(mins);
+  const __m512 code_values = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f,
+                                            10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+  for (int i = 0; i < kChunks; ++i) {
+    const __m512i raw = _mm512_loadu_si512(cg + i * 64);
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (kBits == 4) {
+        const __m512 low = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * e), code_values);
+        const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * e + 4), code_values);
+        _mm512_storeu_ps(out + (i * 8 + 2 * e) * stride, _mm512_fmadd_ps(scale, low, minimum));
+        _mm512_storeu_ps(out + (i * 8 + 2 * e + 1) * stride, _mm512_fmadd_ps(scale, high, minimum));
+      } else {
+        const __m512i byte =
+            _mm512_and_si512(_mm512_srli_epi32(raw, 8 * e), _mm512_set1_epi32(0xFF));
+        _mm512_storeu_ps(out + (i * 4 + e) * stride,
+                         _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(byte), minimum));
+      }
+    }
+  }
+#else
+  for (int j = 0; j < kExactVectors; ++j)
+    for (int col = 0; col < 16; ++col) {
+      const float code = static_cast<float>(code_at<kBits>(cg, col, exact_element<kBits>(j)));
+      out[j * stride + col] = std::fma(scale_at(scales, col), code, scale_at(mins, col));
+    }
+#endif
+}
+
+// kRows interleaved activation rows (xt[element][row]) times `groups` groups of kBlocks
+// dequantized column blocks, added to the partial sums sums[r][block][part][16 columns] (each
+// kept apart, as the order above wants; `first`: start them at zero).
+template <int kBits, int kRows, int kBlocks>
+inline void exact_tile(const float* panel, int64_t groups, const float* xt, float* sums,
+                       bool first) {
+#ifdef PAGEDSERVE_AVX512
+  __m512 acc[kRows][kBlocks][kExactParts];
+  for (int r = 0; r < kRows; ++r)
+    for (int b = 0; b < kBlocks; ++b)
+      for (int p = 0; p < kExactParts; ++p)
+        acc[r][b][p] = first ? _mm512_setzero_ps()
+                             : _mm512_loadu_ps(sums + ((r * kBlocks + b) * kExactParts + p) * 16);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* wg = panel + g * kExactVectors * kBlocks * 16;
+    const float* xg = xt + g * kGroup * kRows;
+#pragma GCC unroll 32
+    for (int j = 0; j < kExactVectors; ++j) {
+      const int part = exact_part(j);
+      const int element = exact_element<kBits>(j);
+      __m512 w[kBlocks];
+      for (int b = 0; b < kBlocks; ++b) {
+        w[b] = _mm512_loadu_ps(wg + (j * kBlocks + b) * 16);
+        // Keep the weights in a register: GCC would otherwise fold this load into each of the
+        // kRows FMAs, which then wait on the load ports instead of the FMA units.
+        asm("" : "+v"(w[b]));
+      }
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 xv = _mm512_set1_ps(xg[element * kRows + r]);
+        for (int b = 0; b < kBlocks; ++b)
+          acc[r][b][part] = _mm512_fmadd_ps(w[b], xv, acc[r][b][part]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int b = 0; b < kBlocks; ++b)
+      for (int p = 0; p < kExactParts; ++p)
+        _mm512_storeu_ps(sums + ((r * kBlocks + b) * kExactParts + p) * 16, acc[r][b][p]);
+#else
+  for (int r = 0; r < kRows; ++r)
+    for (int b = 0; b < kBlocks; ++b)
+      for (int col = 0; col < 16; ++col) {
+        float* part = sums + (r * kBlocks + b) * kExactParts * 16 + col;  // part p at p * 16
+        if (first)
+          for (int p = 0; p < kExactParts; ++p) part[p * 16] = 0.f;
+        for (int64_t g = 0; g < groups; ++g)
+          for (int j = 0; j < kExactVectors; ++j) {
+            const float w = panel[((g * kExactVectors + j) * kBlocks + b) * 16 + col];
+            const float xv = xt[(g * kGroup + exact_element<kBits>(j)) * kRows + r];
+            float& sum = part[exact_part(j) * 16];
+            sum = std::fma(w, xv, sum);
+          }
+      }
+#endif
+}
+
+template <int kBits, int kBlocks>
+void exact_rows(int rows, const float* panel, int64_t groups, const float* xt, float* sums,
+                bool first) {
+  static_assert(kExactTile == 4, "one case per tile height");
+  switch (rows) {
+    case 4: return exact_tile<kBits, 4, kBlocks>(panel, groups, xt, sums, first);
+    case 3: return exact_tile<kBits, 3, kBlocks>(panel, groups, xt, sums, first);
+    case 2: return exact_tile<kBits, 2, kBlocks>(panel, groups, xt, sums, first);
+    default: return exact_tile<kBits, 1, kBlocks>(panel, groups, xt, sums, first);
+  }
+}
+
+template <int kBits, typename S, typename T>
+void exact_linear_impl(const float* x, int64_t rows, int64_t k, const uint8_t* codes,
+                       const S* scales, const S* mins, const T* bias, int64_t n, T* y) {
+  const int64_t groups = k / kGroup;
+  const int64_t blocks = (n + 15) / 16;
+  const int64_t group_code_bytes = (kBits == 4 ? 4 : 8) * 64;
+  // Tile t of kExactTile rows, interleaved: element e of its row r at t * kExactTile * k +
+  // e * tile_rows + r. (One row is its own interleaving.)
+  std::vector<float> interleaved;
+  const float* tiles = x;
+  if (rows > 1) {
+    interleaved.resize(rows * k);
+    at::parallel_for(0, (rows + kExactTile - 1) / kExactTile, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t r0 = t * kExactTile, tile_rows = std::min<int64_t>(kExactTile, rows - r0);
+        float* dst = interleaved.data() + r0 * k;
+        for (int64_t r = 0; r < tile_rows; ++r)
+          for (int64_t e = 0; e < k; ++e) dst[e * tile_rows + r] = x[(r0 + r) * k + e];
+      }
+    });
+    tiles = interleaved.data();
+  }
+  for (int64_t chunk = 0; chunk < rows; chunk += kExactRowChunk) {
+    const int64_t chunk_end = std::min(rows, chunk + kExactRowChunk);
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      // A slice of groups of the two blocks at a time (32 KB: it stays in L1 while every tile
+      // of the chunk passes over it); the partial sums wait in `sums` between slices.
+      static thread_local std::vector<float> panel, sums;
+      panel.resize(kExactSliceGroups * kExactVectors * 2 * 16);
+      sums.resize(kExactRowChunk * 2 * kExactParts * 16);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t b0 = 2 * pair, num_blocks = std::min<int64_t>(2, blocks - b0);
+        for (int64_t g0 = 0; g0 < groups; g0 += kExactSliceGroups) {
+          const int64_t slice = std::min(kExactSliceGroups, groups - g0);
+          for (int64_t b = 0; b < num_blocks; ++b) {
+            const int64_t block = b0 + b;
+            for (int64_t g = g0; g < g0 + slice; ++g) {
+              const int64_t index = block * groups + g;  // of this group in codes and scales
+              dequantize_group<kBits, S>(
+                  codes + index * group_code_bytes, scales + index * 16, mins + index * 16,
+                  panel.data() + ((g - g0) * kExactVectors * num_blocks + b) * 16,
+                  num_blocks * 16);
+            }
+          }
+          for (int64_t r = chunk; r < chunk_end; r += kExactTile) {
+            const int tile_rows = static_cast<int>(std::min<int64_t>(kExactTile, chunk_end - r));
+            const float* xt = tiles + r * k + g0 * kGroup * tile_rows;
+            float* tile_sums = sums.data() + (r - chunk) * 2 * kExactParts * 16;
+            if (num_blocks == 2) {
+              exact_rows<kBits, 2>(tile_rows, panel.data(), slice, xt, tile_sums, g0 == 0);
+            } else {
+              exact_rows<kBits, 1>(tile_rows, panel.data(), slice, xt, tile_sums, g0 == 0);
+            }
+          }
+        }
+        for (int64_t r = chunk; r < chunk_end; r += kExactTile) {
+          const int64_t tile_rows = std::min<int64_t>(kExactTile, chunk_end - r);
+          const float* tile_sums = sums.data() + (r - chunk) * 2 * kExactParts * 16;
+          for (int64_t i = 0; i < tile_rows; ++i) {
+            for (int64_t b = 0; b < num_blocks; ++b) {
+              const float* part = tile_sums + (i * num_blocks + b) * kExactParts * 16;
+              const int64_t col0 = (b0 + b) * 16, cols = std::min<int64_t>(16, n - col0);
+              alignas(64) float values[16];
+              for (int col = 0; col < 16; ++col) {
+                values[col] = part[col] + part[16 + col];
+                if (bias && col < cols) values[col] += to_float(bias[col0 + col]);
+              }
+              store_row(values, y + (r + i) * n + col0, cols);
+            }
+          }
+        }
+      }
+    });
+  }
+}
+
+template <typename T>
+void exact_linear_dispatch(const float* x, int64_t rows, int64_t k, int64_t bits,
+                           const uint8_t* codes, const torch::Tensor& scales,
+                           const torch::Tensor& mins, const T* bias, int64_t n, T* y) {
+  auto run = [&](auto* s, auto* m) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+    if (bits == 4) {
+      exact_linear_impl<4, S, T>(x, rows, k, codes, s, m, bias, n, y);
+    } else {
+      exact_linear_impl<8, S, T>(x, rows, k, codes, s, m, bias, n, y);
+    }
+  };
+  if (scales.scalar_type() == torch::kFloat32) {
+    run(scales.data_ptr<float>(), mins.data_ptr<float>());
+  } else {
+    run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
+  }
+}
+
+// Whether activation_bits = 32 runs vectorized here; the scalar fallback is correct but slower
+// than a dense fp32 matmul, so the layers then keep their dense weights instead.
+bool exact_linear_vectorized() {
+#ifdef PAGEDSERVE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x @ W^T for W in the layout above. activation_bits 16 / 8: the activations quantized per group
+// and integer dot products (VNNI); 32: exact weights and fp32 sums (the fp32 compute path).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                            torch::Tensor mins, int64_t n, int64_t bits, int64_t activation_bits,
                            c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2, "x must be (rows, K)");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16");
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 32,
+              "activation_bits must be 8, 16 or 32 (fp32, exact weights)");
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
               "weights must be contiguous");
   TORCH_CHECK((scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kHalf) &&
@@ -414,7 +665,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   DISPATCH_FLOAT_OR_BF16(x.scalar_type(), "quant_linear", [&] {
     const scalar_t* bp = bias ? b.data_ptr<scalar_t>() : nullptr;
-    if (activation_bits == 8) {
+    if (activation_bits == 32) {
+      const torch::Tensor xf = xc.to(torch::kFloat32);  // bf16 widens exactly; fp32: no copy
+      exact_linear_dispatch<scalar_t>(xf.data_ptr<float>(), rows, k, bits, c, scales, mins, bp,
+                                      n, y.data_ptr<scalar_t>());
+    } else if (activation_bits == 8) {
       quant_linear_dispatch<int8_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c, scales, mins, bp,
                                     n, y.data_ptr<scalar_t>());
     } else {
@@ -1353,7 +1608,10 @@ class DecoderStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SOURCE_HASH") = PAGEDSERVE_STRINGIFY(PAGEDSERVE_SOURCE_HASH);
   m.attr("BUILD_ISA") = pagedserve_build_isa();
-  m.def("quant_linear", &quant_linear, "x @ W^T: GGUF-form 4/8-bit weights, int16/int8 activations");
+  m.def("quant_linear", &quant_linear,
+        "x @ W^T: GGUF-form 4/8-bit weights; int16/int8 activations, or fp32 exactly (32)");
+  m.def("exact_linear_vectorized", &exact_linear_vectorized,
+        "whether quant_linear's fp32 path (activation_bits 32) is vectorized in this build");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm after an optional residual add");
   m.def("rotary_inplace", &rotary_inplace, "rotary embedding on q and k in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

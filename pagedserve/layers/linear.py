@@ -25,6 +25,11 @@ quarter of the bytes, so it wins while the matmul is bound by memory: 3-4x dense
 about even by 8 to 32 rows, behind in prefill, where dense bf16 runs near the CPU's peak. The price
 is memory: both copies stay resident.
 
+In fp32 (on the CPU, with the compiled kernels) a layer whose shards all pack keeps only its codes
+and runs every row count on them: the kernel dequantizes each weight exactly (the dense model's
+value, bit for bit) and sums in fp32, so the computation is the dense one up to summation order,
+with a sixth of the bytes to read and no dense copy to build (see GroupQuantizedWeight).
+
 `--quantization int4|int8` instead quantizes every dense weight on load (also a GGUF file's,
 re-quantized from its dequantized values) and keeps only the packed form: less memory, all rows on
 the packed kernel (so slower for large batches). Under TP each rank quantizes its own shard.
@@ -119,12 +124,22 @@ class Linear(nn.Module):
 
     def process_weights_after_loading(self, dtype: torch.dtype, quantize: str | None = None) -> None:
         """Dequantize quantized shards into the dense weight and, for bf16 when every shard is
-        packable, also pack them for the int4 kernel. quantize ("int4" / "int8", bf16 only):
-        replace the dense weight by its packed quantization instead."""
+        packable, also pack them for the int4 kernel. In fp32, a layer whose shards all pack keeps
+        only its codes, multiplied exactly (see GroupQuantizedWeight): no dense copy to build or
+        hold. quantize ("int4" / "int8", bf16 only): replace the dense weight by its packed
+        quantization instead."""
         pending = take_pending_quant(self.weight)
         slices = self._shard_slices()
         for shard_id, weight in pending.items():
             _check_shape(weight, slices[shard_id].shape)
+        complete = bool(pending) and pending.keys() == slices.keys()
+        if dtype == torch.float32 and quantize is None and complete:
+            merged = concat_rows([pending[shard_id] for shard_id in slices])
+            self.packed = packed_weight(merged, dtype) if merged is not None else None
+            if self.packed is not None:
+                self.weight = None
+                return
+        for shard_id, weight in pending.items():
             slices[shard_id].copy_(weight.dequantize())
         if dtype != torch.bfloat16:
             return
@@ -133,7 +148,7 @@ class Linear(nn.Module):
             if codes is not None:
                 self.packed = packed_weight(codes, dtype)
                 self.weight = None
-        elif pending and pending.keys() == slices.keys():
+        elif complete:
             merged = concat_rows([pending[shard_id] for shard_id in slices])
             if merged is not None:  # None: mixed types, dense only
                 self.packed = packed_weight(merged, dtype)
@@ -326,11 +341,17 @@ class VocabEmbedding(nn.Module):
 
     def process_weights_after_loading(self, dtype: torch.dtype, quantize: str | None = None) -> None:
         """Dequantize GGUF codes into the table; for a tied head in bf16 also pack the codes (or,
-        with `quantize`, a fresh int4/int8 quantization used for every row count)."""
+        with `quantize`, a fresh int4/int8 quantization used for every row count). In fp32 the
+        tied head runs on the codes for every row count, exactly (see GroupQuantizedWeight); the
+        table stays for the lookups."""
         pending = take_pending_quant(self.weight)
         if pending:
             _check_shape(pending[None], self.weight.shape)
             self.weight.data.copy_(pending[None].dequantize())
+        if dtype == torch.float32 and quantize is None and pending and self.serves_as_head:
+            self.packed_head = packed_weight(pending[None], dtype)  # None: not vectorized here
+            self.dense_head_above_max_rows = False
+            return
         if dtype != torch.bfloat16 or not self.serves_as_head:
             return
         if quantize is not None:

@@ -192,6 +192,10 @@ class Int4PackedWeight(torch.nn.Module):
 
 ACTIVATION_BITS = 16
 """int16 activations by default; 8 trades accuracy for speed (see GroupQuantizedWeight)."""
+EXACT_ACTIVATION_BITS = 32
+"""The fp32 compute path's mode of the kernel: activations as they are, the weights dequantized
+exactly (the dense model's values, bit for bit) and multiplied in fp32 (see GroupQuantizedWeight).
+"""
 
 
 def vnni_layout(weight: GGUFQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -234,22 +238,29 @@ def vnni_layout(weight: GGUFQuantWeight) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 class GroupQuantizedWeight(torch.nn.Module):
-    """y = x @ W^T by the compiled CPU kernel (csrc/cpu_ops.cpp `quant_linear`): the weights stay
-    GGUF groups (`scale * code + min`), the activations are quantized per 32-element group on the
-    fly (int16 by default, within ~1e-5 of the exact product; int8 as llama.cpp does, see
-    ACTIVATION_BITS), and VNNI multiplies the two in exact integer sums. 4-bit codes take half a
-    byte, Q8_0 codes one byte (no split)."""
+    """y = x @ W^T by the compiled CPU kernel (csrc/cpu_ops.cpp `quant_linear`), the weights kept
+    as GGUF groups (`scale * code + min`): 4-bit codes take half a byte, Q8_0 codes one byte (no
+    split). How the activations meet them depends on the compute dtype:
+
+    - bf16: they are quantized per 32-element group on the fly (int16 by default, within ~1e-5
+      of the exact product; int8 as llama.cpp does, see ACTIVATION_BITS), and VNNI multiplies the
+      two in exact integer sums.
+    - fp32 (EXACT_ACTIVATION_BITS): each weight is dequantized exactly (the dense model's value,
+      bit for bit) and multiplied by the fp32 activations with fp32 sums, in an order fixed per
+      output element, so a row's result does not depend on its batch. The same arithmetic as the
+      dense fp32 matmul but the summation order; ~1/6 of its bytes to read.
+    """
 
     holds_packed_weights = True  # observability/memory.py counts its tensors as packed
 
-    def __init__(self, weight: GGUFQuantWeight, ops) -> None:
+    def __init__(self, weight: GGUFQuantWeight, ops, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self._ops = ops
         self.out_features = weight.shape[0]
         # Plain attributes, not buffers: model.to(bf16) must not round the fp32 scales. (This
         # form only lives on the CPU, so no device move is missed.)
         self.codes, self.scales, self.mins, self.bits = vnni_layout(weight)
-        self.activation_bits = ACTIVATION_BITS
+        self.activation_bits = EXACT_ACTIVATION_BITS if dtype == torch.float32 else ACTIVATION_BITS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) in fp32 or bf16 -> (..., N) in x's dtype."""
@@ -260,12 +271,18 @@ class GroupQuantizedWeight(torch.nn.Module):
         return y.view(*leading, self.out_features)
 
 
-def packed_weight(weight: GGUFQuantWeight, dtype: torch.dtype) -> torch.nn.Module:
-    """The fastest packed form available: the compiled kernel's (unless the KernelConfig of the
-    model being loaded turns them off, kernels/cpu_ops.py), else torch's int4 kernel."""
+def packed_weight(weight: GGUFQuantWeight, dtype: torch.dtype) -> torch.nn.Module | None:
+    """The fastest packed form available for compute `dtype`: the compiled kernel's (unless the
+    KernelConfig of the model being loaded turns them off, kernels/cpu_ops.py), else torch's int4
+    kernel. None for fp32 where the compiled kernel's exact fp32 path is not vectorized (torch's
+    int4 kernel in fp32 is ~30x slower than the dense matmul): the layer stays dense."""
     ops = cpu_ops.for_new_layer()
-    if ops is not None and dtype in (torch.float32, torch.bfloat16):
-        return GroupQuantizedWeight(weight, ops)
+    if dtype == torch.float32:
+        if ops is None or not ops.exact_linear_vectorized():
+            return None
+        return GroupQuantizedWeight(weight, ops, dtype)
+    if ops is not None and dtype == torch.bfloat16:
+        return GroupQuantizedWeight(weight, ops, dtype)
     return Int4PackedWeight(weight, dtype)
 
 

@@ -5,7 +5,7 @@ dispatch cost was half the step. `DecoderStack` (csrc/cpu_ops.cpp) runs the same
 Python modules call for such a step, in the same order and dtypes, from C++: same output, bitwise
 (tests/kernels/test_decoder_stack.py). It applies when every projection is packed for the
 compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/8-bit files) and the
-step has at most FUSED_MAX_TOKENS tokens; anything else runs the modules. It runs every layer
+step has at most `stack_max_tokens` tokens; anything else runs the modules. It runs every layer
 in one call, with no all-reduce between layers and no stage boundary, so it is off under tensor or
 pipeline parallelism (the modules then run, reducing in the layers). Whether to use it at all is
 the model's KernelConfig.fused_decoder_layers (DeviceConfig; kernels/cpu_ops.py).
@@ -24,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from pagedserve.attention.cpu_kernel_backend import KERNEL_MAX_TOKENS
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.paged import token_rows_and_lens
 from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
@@ -32,7 +33,24 @@ from pagedserve.layers.quantized import GroupQuantizedWeight
 
 FUSED_MAX_TOKENS = PACKED_MAX_ROWS
 """The modules multiply up to PACKED_MAX_ROWS rows by the packed codes (dense bf16 above), so
-the stack, which only holds the packed form, serves exactly those steps."""
+the stack, which only holds the packed form, serves exactly those steps where the layers also
+hold dense weights (see stack_max_tokens)."""
+
+
+def _linears(layer) -> list[Linear]:
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj]
+
+
+def stack_max_tokens(model) -> int:
+    """The longest step the stack runs as the modules would: FUSED_MAX_TOKENS where the layers
+    also hold dense weights (the modules use them above PACKED_MAX_ROWS rows); else (packed
+    only: fp32, or quantized on load) the attention backend's limit for the kernel the stack
+    calls, KERNEL_MAX_TOKENS."""
+    layers = model.layers[model.start_layer : model.end_layer]
+    if any(linear.weight is not None for layer in layers for linear in _linears(layer)):
+        return FUSED_MAX_TOKENS
+    return KERNEL_MAX_TOKENS
 
 
 def _packed_args(linear: Linear) -> tuple | None:
@@ -59,10 +77,7 @@ def build_decoder_stack(model, kernels: ModuleType | None) -> object | None:
         rotary.cos_cache, rotary.signed_sin_cache, model.norm.weight,
     )
     for layer in model.layers:
-        linears = [
-            _packed_args(layer.self_attn.qkv_proj), _packed_args(layer.self_attn.o_proj),
-            _packed_args(layer.mlp.gate_up_proj), _packed_args(layer.mlp.down_proj),
-        ]
+        linears = [_packed_args(linear) for linear in _linears(layer)]
         if any(args is None for args in linears):
             return None
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

@@ -26,9 +26,9 @@ from pagedserve.config import ModelConfig
 from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedserve.kernels import cpu_ops
 from pagedserve.models.decoder_stack import (
-    FUSED_MAX_TOKENS,
     build_decoder_stack,
     run_decoder_stack,
+    stack_max_tokens,
 )
 from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import (
@@ -173,15 +173,18 @@ class LlamaModel(nn.Module):
         self.fused_decoder_layers = (
             kernels is not None and cpu_ops.build_config().fused_decoder_layers
         )
-        """Run steps of at most FUSED_MAX_TOKENS tokens as one compiled DecoderStack call where it
-        applies (models/decoder_stack.py); the profiler turns it off to time the modules."""
+        """Run steps of at most `stack_max_tokens` tokens as one compiled DecoderStack call where
+        it applies (models/decoder_stack.py); the profiler turns it off to time the modules."""
         self._stack: object | None | bool = False
         """The compiled DecoderStack for small steps: False until first asked, None if it does
         not apply (models/decoder_stack.py)."""
+        self._stack_max_tokens = 0
+        """The longest step the stack serves (set with it)."""
 
     def _decoder_stack(self) -> object | None:
         if self._stack is False:  # built on first use: the weights are final by then
             self._stack = build_decoder_stack(self, self._kernels)
+            self._stack_max_tokens = stack_max_tokens(self)
         return self._stack
 
     def forward(
@@ -196,14 +199,15 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             assert intermediate_tensors is None, "the first stage embeds; pass num_layers="
             hidden_states, residual = self.embed_tokens(input_ids), None
-            stack = (
-                self._decoder_stack()
-                if self.fused_decoder_layers and input_ids.shape[0] <= FUSED_MAX_TOKENS else None
-            )
-            if stack is not None:
+            stack = self._decoder_stack() if self.fused_decoder_layers else None
+            lora_step = get_lora_step()
+            # The stack runs LoRA in its masked form only (lora/worker_manager.py picks it for
+            # steps of at most FUSED_MAX_TOKENS tokens, or mixing adapters).
+            if (stack is not None and input_ids.shape[0] <= self._stack_max_tokens
+                    and (lora_step is None or lora_step.token_slots is not None)):
                 meta = get_forward_context()
                 return run_decoder_stack(stack, hidden_states, positions, meta, end_layer,
-                                         get_lora_step())
+                                         lora_step)
         else:
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]

@@ -2,7 +2,9 @@
 
 quant_linear is checked against a torch transcription of its own arithmetic (activations
 quantized per 32-element group, then exact sums) to fp32 rounding, and against the dequantized
-fp32 matmul within the activation quantization's error. The elementwise kernels must equal the
+fp32 matmul within the activation quantization's error. Its fp32 mode (activation_bits 32) must
+reproduce the dequantized weights bit for bit, stay within fp32 summation error of the fp64
+product, and give a row the same bits in any batch. The elementwise kernels must equal the
 Python modules they stand in for, bit for bit, since the decoder stack's equality rests on it.
 """
 
@@ -69,6 +71,46 @@ def test_quant_linear_bf16_rounds_once_and_adds_nothing_for_zero_rows():
     x = torch.randn(5, 96).bfloat16()
     assert torch.equal(layer(x).float(), layer(x.float()).bfloat16().float())
     assert torch.equal(layer(torch.zeros(2, 96)), torch.zeros(2, 64))
+
+
+def _exact_layer(qtype, n: int, k: int, seed: int) -> tuple[GroupQuantizedWeight, torch.Tensor]:
+    """A GroupQuantizedWeight in fp32 mode and its dequantized weight (the slow reference)."""
+    weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k, seed=seed), qtype, (n, k))
+    layer = GroupQuantizedWeight(weight, ops, torch.float32)
+    assert layer.activation_bits == quantized.EXACT_ACTIVATION_BITS
+    return layer, weight.dequantize()
+
+
+# 40 columns: a pair of 16-column blocks and a padded one; K = 288: a slice of 8 groups and one
+# of 1; K = 576: SmolLM2's hidden size.
+@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [288, 576])
+def test_fp32_quant_linear_is_the_dense_product(qtype, k):
+    n = 40
+    layer, dense = _exact_layer(qtype, n, k, seed=k)
+    # One-hot rows read the weights back: exact, the dense model's values bit for bit.
+    columns = torch.tensor([0, 1, 17, 31, 32, k - 1])
+    assert torch.equal(layer(torch.eye(k)[columns]), dense[:, columns].t())
+    # Any rows: within fp32 summation error of the fp64 product (|error| <= k u sum |w x|).
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(k))
+    y = layer(x).double()
+    exact = x.double() @ dense.double().t()
+    bound = k * 2.0**-24 * (x.double().abs() @ dense.double().abs().t())
+    assert ((y - exact).abs() <= bound).all()
+
+
+def test_fp32_quant_linear_gives_a_row_the_same_bits_in_any_batch():
+    layer, _ = _exact_layer(GQT.Q4_1, 48, 576, seed=1)
+    x = torch.randn(133, 576, generator=torch.Generator().manual_seed(1))  # > one 128-row chunk
+    batch = layer(x)
+    for rows in (slice(0, 1), slice(5, 8), slice(61, 130), slice(132, 133)):
+        assert torch.equal(layer(x[rows]), batch[rows])
+
+
+def test_fp32_quant_linear_takes_bf16_and_rounds_once():
+    layer, _ = _exact_layer(GQT.Q8_0, 40, 288, seed=2)
+    x = torch.randn(5, 288).bfloat16()
+    assert torch.equal(layer(x), layer(x.float()).bfloat16())
 
 
 def test_add_rms_norm_equals_the_module_path():

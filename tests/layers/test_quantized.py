@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.kernels import cpu_ops
 from pagedserve.layers.linear import PACKED_MAX_ROWS, Linear, MergedLinear
 from pagedserve.layers.quantized import (
     GQT,
     PACKABLE_TYPES,
     GGUFQuantWeight,
+    GroupQuantizedWeight,
     Int4PackedWeight,
     decode_gguf_blocks,
     int4_scales_and_zeros,
@@ -155,6 +157,23 @@ def test_merged_layer_packs_same_type_shards_and_falls_back_on_mixed():
     assert fp32.packed is None and torch.equal(fp32.weight, dense)
 
 
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the compiled CPU kernels are unavailable")
+def test_fp32_layer_keeps_only_its_codes_and_multiplies_exactly():
+    k = 256
+    q = decode_gguf_blocks(synthetic_blocks(GQT.Q4_1, 64, k, 3), GQT.Q4_1, (64, k))
+    kk = decode_gguf_blocks(synthetic_blocks(GQT.Q4_K, 32, k, 4), GQT.Q4_K, (32, k))
+    dense = torch.cat([q.dequantize(), kk.dequantize(), kk.dequantize()])
+    layer = _loaded_linear(MergedLinear(k, {"q": 64, "k": 32, "v": 32}),
+                           {"q": q, "k": kk, "v": kk}, torch.float32)
+    if not cpu_ops.load().exact_linear_vectorized():
+        assert layer.packed is None and torch.equal(layer.weight, dense)  # dense is faster
+        return
+    assert layer.weight is None and isinstance(layer.packed, GroupQuantizedWeight)
+    assert torch.equal(layer(torch.eye(k)), dense.t())  # the dense model's weights, exactly
+    x = torch.randn(PACKED_MAX_ROWS + 5, k)  # every row count runs on the codes
+    torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-5, atol=1e-5)
+
+
 def test_real_model_tensors_exact(model_path):
     """Every Q4_1 / Q8_0 matrix of the shipped SmolLM2 file (211 of them, about a second)."""
     from pagedserve.models.gguf_header import read_gguf_header, tensor_data
@@ -174,11 +193,12 @@ def test_real_model_tensors_exact(model_path):
     assert seen == {GQT.Q4_1, GQT.Q8_0}
 
 
-def test_quantization_option_keeps_fp32_and_cuda_dense():
+def test_quantization_option_keeps_cuda_dense():
     from pagedserve.config import DeviceConfig
 
     assert DeviceConfig(dtype="bfloat16", quantization="auto").keeps_weights_packed
-    assert not DeviceConfig(dtype="float32", quantization="auto").keeps_weights_packed
+    assert DeviceConfig(dtype="float32", quantization="auto").keeps_weights_packed
+    assert not DeviceConfig(dtype="float32", quantization="none").keeps_weights_packed
     assert not DeviceConfig(dtype="bfloat16", quantization="none").keeps_weights_packed
     assert not DeviceConfig(device="cuda", quantization="auto").keeps_weights_packed
     assert DeviceConfig(dtype="bfloat16", quantization="int8").quantize_on_load == "int8"

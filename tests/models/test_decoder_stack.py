@@ -1,8 +1,10 @@
-"""The compiled decoder stack against the Python modules on the real model (bf16, packed GGUF).
+"""The compiled decoder stack against the Python modules on the real model (bf16 and fp32,
+packed GGUF).
 
 Both run the same kernels in the same order, so greedy tokens and their logprobs must be equal
 exactly, not merely close: decode steps of one and of several requests, and speculative
-verification steps (several tokens per request, still within FUSED_MAX_TOKENS).
+verification steps (several tokens per request, still within FUSED_MAX_TOKENS). In fp32 the
+layers hold only their codes, so the stack also serves steps past FUSED_MAX_TOKENS.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import pytest
 
 import pagedserve.models.llama as llama_module
 from pagedserve.kernels import cpu_ops
+from pagedserve.models.decoder_stack import FUSED_MAX_TOKENS
 from pagedserve.sampling_params import SamplingParams
-from tests.prompts import PARITY_PROMPTS
+from tests.prompts import CHAT_QUESTIONS, PARITY_PROMPTS, chat_prompt
 
 pytestmark = [
     pytest.mark.slow,
@@ -55,12 +58,25 @@ def test_stack_equals_modules(make_llm, monkeypatch, stack_calls, num_prompts):
     calls = stack_calls
     prompts = PARITY_PROMPTS[:num_prompts]
     fused = _generate(llm, prompts)
-    assert calls and max(calls) <= llama_module.FUSED_MAX_TOKENS  # the stack ran the decodes
+    assert calls and max(calls) <= FUSED_MAX_TOKENS  # the stack ran the decodes
     _modules_only(llm, monkeypatch)
     calls.clear()
     plain = _generate(llm, prompts)
     assert not calls
     assert fused == plain  # (make_llm checks every block is free and every queue empty)
+
+
+def test_fp32_stack_equals_modules_past_the_packed_row_limit(make_llm, monkeypatch, stack_calls):
+    """fp32 layers run every row count on their codes, so the stack serves steps up to the
+    attention kernel's limit: here 12 decodes at once."""
+    llm = make_llm(dtype="float32", enable_prefix_caching=False)
+    prompts = [chat_prompt(q) for q in CHAT_QUESTIONS[:12]]
+    fused = _generate(llm, prompts, max_tokens=6)
+    assert max(stack_calls) == len(prompts) > FUSED_MAX_TOKENS
+    _modules_only(llm, monkeypatch)
+    stack_calls.clear()
+    assert _generate(llm, prompts, max_tokens=6) == fused
+    assert not stack_calls
 
 
 def test_stack_equals_modules_with_lora_adapters(make_llm, model_path, monkeypatch, stack_calls,
@@ -80,7 +96,7 @@ def test_stack_equals_modules_with_lora_adapters(make_llm, model_path, monkeypat
         llm.add_lora(lora)  # loaded before: both runs take the same steps
     prompts, per_prompt = PARITY_PROMPTS[:4], [loras[0], None, loras[1], loras[0]]
     fused = _generate(llm, prompts, lora_request=per_prompt)
-    assert stack_calls and max(stack_calls) <= llama_module.FUSED_MAX_TOKENS
+    assert stack_calls and max(stack_calls) <= FUSED_MAX_TOKENS
     assert fused != _generate(llm, prompts)  # the adapters acted
     _modules_only(llm, monkeypatch)
     stack_calls.clear()

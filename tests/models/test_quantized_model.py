@@ -60,8 +60,10 @@ def test_default_bf16_engine_holds_both_forms(make_llm):
     gate_up = model.model.layers[0].mlp.gate_up_proj
     assert gate_up.packed is not None and gate_up.weight is not None
     assert model.model.embed_tokens.packed_head is not None  # tied Q8_0 head, int4 split
-    assert make_llm(dtype="float32").engine.executor.worker.model_runner.model.model.layers[0].mlp.gate_up_proj \
-        .packed is None
+    # fp32 runs on the codes alone, exactly (layers/linear.py): no dense copy
+    fp32_gate_up = make_llm(dtype="float32").engine.executor.worker.model_runner.model.model \
+        .layers[0].mlp.gate_up_proj
+    assert fp32_gate_up.weight is None and fp32_gate_up.packed.activation_bits == 32
 
 
 def test_packed_bf16_tracks_fp32_reference(make_llm, tokenizer, int4_everywhere):
