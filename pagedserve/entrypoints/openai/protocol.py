@@ -57,6 +57,36 @@ def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     return names
 
 
+def is_token_ids(item: Any) -> bool:
+    return (isinstance(item, list) and len(item) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in item))
+
+
+def check_prompt_shape(value: Any, name: str, max_items: int, items: str,
+                       allow_empty_text: bool = True) -> Any:
+    """`value` if it is a string, a list of strings, a non-empty list of token ids or a list of
+    such lists (at most `max_items` of them); else one clear ValueError instead of pydantic's
+    four failed union members."""
+    if isinstance(value, str):
+        if not value and not allow_empty_text:
+            raise ValueError(f"{name} must not be empty")
+        return value
+    if isinstance(value, list) and value:
+        if is_token_ids(value):
+            return value
+        if len(value) > max_items:
+            raise ValueError(f"at most {max_items} {items} per request, got {len(value)}")
+        if all(isinstance(item, str) for item in value):
+            if not allow_empty_text and not all(value):
+                raise ValueError(f"{name} must not contain empty strings")
+            return value
+        if all(is_token_ids(item) for item in value):
+            return value
+    text = "a string" if allow_empty_text else "a non-empty string"
+    raise ValueError(f"{name} must be {text}, a list of strings, a non-empty list of token ids, "
+                     "or a list of such lists")
+
+
 class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -184,22 +214,7 @@ class CompletionRequest(GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt_shape(cls, value: Any) -> Any:
-        # One clear message instead of pydantic's four failed union members.
-        def is_token_ids(item: Any) -> bool:
-            return (isinstance(item, list) and len(item) > 0
-                    and all(isinstance(t, int) and not isinstance(t, bool) for t in item))
-
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and value:
-            if len(value) > MAX_PROMPTS and not is_token_ids(value):
-                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
-            if all(isinstance(item, str) for item in value) or is_token_ids(value):
-                return value
-            if all(is_token_ids(item) for item in value):
-                return value
-        raise ValueError("prompt must be a string, a list of strings, a non-empty list of token "
-                         "ids, or a list of such lists")
+        return check_prompt_shape(value, "prompt", MAX_PROMPTS, "prompts")
 
 
 class TextContentPart(RequestModel):

@@ -12,7 +12,12 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from pagedserve.entrypoints.openai.protocol import RequestModel, ResponseModel, UsageInfo
+from pagedserve.entrypoints.openai.protocol import (
+    RequestModel,
+    ResponseModel,
+    UsageInfo,
+    check_prompt_shape,
+)
 
 MAX_EMBEDDING_INPUTS = 2048
 """Most inputs one request may embed (OpenAI's limit)."""
@@ -41,29 +46,8 @@ class EmbeddingRequest(RequestModel):
     @field_validator("input", mode="before")
     @classmethod
     def _check_input_shape(cls, value: Any) -> Any:
-        # One clear message instead of pydantic's four failed union members.
-        def is_token_ids(item: Any) -> bool:
-            return (isinstance(item, list) and len(item) > 0
-                    and all(isinstance(t, int) and not isinstance(t, bool) for t in item))
-
-        if isinstance(value, str):
-            if not value:
-                raise ValueError("input must not be empty")
-            return value
-        if isinstance(value, list) and value:
-            if is_token_ids(value):
-                return value
-            if len(value) > MAX_EMBEDDING_INPUTS:
-                raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got "
-                                 f"{len(value)}")
-            if all(isinstance(item, str) for item in value):
-                if not all(value):
-                    raise ValueError("input must not contain empty strings")
-                return value
-            if all(is_token_ids(item) for item in value):
-                return value
-        raise ValueError("input must be a non-empty string, a list of strings, a non-empty list "
-                         "of token ids, or a list of such lists")
+        return check_prompt_shape(value, "input", MAX_EMBEDDING_INPUTS, "inputs",
+                                  allow_empty_text=False)
 
 
 class EmbeddingData(ResponseModel):
