@@ -95,14 +95,14 @@ class LLMEngine:
         """tokenizer, model: already loaded ones to share (tests build many engines over one)."""
         self.config = config
         self._rss_at_start = memory.rss_bytes()
+        self._tokenizer_bytes = 0
+        """RSS growth while the tokenizer loaded (0 when it was handed in)."""
         if tokenizer is None:
             with startup_phase("tokenizer") as phase:
                 tokenizer = Tokenizer.from_path(config.model_path)
                 phase.detail = f"{tokenizer.vocab_size} tokens"
+            self._tokenizer_bytes = max(0, (memory.rss_bytes() or 0) - (self._rss_at_start or 0))
         self.tokenizer = tokenizer
-        self._tokenizer_bytes = (max(0, (memory.rss_bytes() or 0) - (self._rss_at_start or 0))
-                                 if tokenizer is None else 0)
-        """RSS growth while the tokenizer loaded (0 when it was handed in)."""
         draft_path = config.speculative.draft_model_path if config.speculative else None
         if draft_path is not None:  # before loading its weights: a mismatch fails fast
             check_same_tokenizer(self.tokenizer, Tokenizer.from_path(draft_path), draft_path)

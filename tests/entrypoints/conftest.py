@@ -7,6 +7,7 @@ teardown it must hold no request and no KV block.
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from tests.entrypoints.utils import (
@@ -36,3 +37,17 @@ def server(model_path, tokenizer):
     with serving(app, async_llm, stat_logger) as handle:
         yield handle
         handle.wait_until_idle()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the server (a module's own `server` fixture wins)."""
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """Plain HTTP with the API key, for what the openai client cannot send."""
+    with httpx.Client(base_url=server.base_url, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as http_client:
+        yield http_client

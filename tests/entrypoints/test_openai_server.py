@@ -5,27 +5,14 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import httpx
 import pytest
 
-from tests.entrypoints.utils import API_KEY, MAX_MODEL_LEN, MODEL_NAME
+from tests.entrypoints.utils import MAX_MODEL_LEN, MODEL_NAME
 from tests.prompts import source_text
 
 GREEDY = dict(model=MODEL_NAME, temperature=0)
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as http_client:
-        yield http_client
 
 
 def stream_text(chunks) -> tuple[dict[int, str], dict[int, str], object]:

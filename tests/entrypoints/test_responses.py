@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.utils import API_KEY, MODEL_NAME
+from tests.entrypoints.utils import MODEL_NAME
 
 GREEDY = dict(model=MODEL_NAME, temperature=0)
 QUESTION = "Name three colors."
@@ -22,18 +22,6 @@ STREAM_EVENT_ORDER = [
     "response.content_part.added", "response.output_text.delta", "response.output_text.done",
     "response.content_part.done", "response.output_item.done",
 ]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as http_client:
-        yield http_client
 
 
 def num_template_tokens(http: httpx.Client, messages: list[dict]) -> int:

@@ -84,11 +84,6 @@ def _conforms(text: str, schema: dict) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
-
-
 async def _chat_samples(server, prompt: str, num: int, **fields) -> list:
     """`num` concurrent single-choice chat requests; returns their choices."""
     async with server.async_openai() as aclient:
@@ -213,13 +208,6 @@ def test_streamed_json_equals_full(client):
 
 
 # ---- bad constraints ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as http_client:
-        yield http_client
 
 
 def _chat_body(**fields) -> dict:

@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import jsonschema
 import pytest
 
-from tests.entrypoints.utils import API_KEY, MODEL_NAME
+from tests.entrypoints.utils import MODEL_NAME
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
@@ -30,11 +29,6 @@ TOOLS = [WEATHER, ADD]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 SAMPLING = dict(model=MODEL_NAME, temperature=0.8)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
 
 
 def _assert_valid_calls(message, allowed_names=tuple(SCHEMAS)) -> None:
@@ -178,13 +172,6 @@ def test_round_trip(client):
 
 
 # ---- bad tool requests -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as http_client:
-        yield http_client
 
 
 @pytest.mark.parametrize("fields,message", [

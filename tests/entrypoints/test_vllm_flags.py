@@ -113,7 +113,7 @@ def test_positional_model_wins_over_model_flag():
     assert model_arg(parse_serve("--model", "a")) == "a"
 
 
-def test_vllm_spellings_map_to_engine_config(model_path, caplog):
+def test_vllm_spellings_map_to_engine_config(model_path, caplog, tmp_path):
     args = EngineArgs(model=model_path, tokenizer=model_path, dtype="float", quantization="gguf",
                       kv_cache_dtype="fp8_e4m3", kv_cache_memory="64MiB",
                       gpu_memory_utilization=0.5)
@@ -126,8 +126,10 @@ def test_vllm_spellings_map_to_engine_config(model_path, caplog):
     assert config.cache.gpu_memory_utilization is None
     assert "--gpu-memory-utilization is ignored on the CPU" in caplog.text
     assert EngineArgs(model=model_path).create_engine_config().cache.kv_cache_memory_bytes == 2 << 30
-    with pytest.raises(ValueError, match="--tokenizer 'qwen2.5-coder-0.5b' is not the model"):
-        EngineArgs(model=model_path, tokenizer="qwen2.5-coder-0.5b").create_engine_config()
+    other = tmp_path / "other-tokenizer"  # any existing path that is not the model
+    other.mkdir()
+    with pytest.raises(ValueError, match=f"--tokenizer '{other}' is not the model"):
+        EngineArgs(model=model_path, tokenizer=str(other)).create_engine_config()
 
 
 def test_server_flags_land_in_server_config(tmp_path):

@@ -22,11 +22,6 @@ MESSAGES = [{"role": "user", "content": "Name three colors."}]
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
-
-
-@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server.base_url, timeout=120,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as http_client:
