@@ -221,10 +221,19 @@ def test_dashboard_live_under_load(live_server, browser):
         browser.save_screenshot(str(artifact_path("dashboard-overview.png")))
 
         # 7. Clicking a row opens its timeline: request id and explanation.
-        row = browser.find_elements(
-            "css selector", ".gantt-row:has(rect.seg.decode)")[-1]
-        request_id = row.get_attribute("data-request-id")
-        row.find_element("css selector", "rect.seg.decode").click()
+        def click_a_decoded_row(driver) -> str | None:
+            from selenium.common.exceptions import StaleElementReferenceException
+
+            try:
+                row = driver.find_elements(
+                    "css selector", ".gantt-row:has(rect.seg.decode)")[-1]
+                request_id = row.get_attribute("data-request-id")
+                row.find_element("css selector", "rect.seg.decode").click()
+                return request_id
+            except StaleElementReferenceException:
+                return None  # the live view re-rendered between find and click: again
+
+        request_id = wait_for(browser, click_a_decoded_row, 30, "no decoded row could be clicked")
         wait_for(browser, lambda d: d.find_element("id", "detail").is_displayed()
                  and d.find_element("id", "detail").get_attribute("data-loaded") == "true", 30,
                  "the timeline panel did not open")
