@@ -11,13 +11,11 @@ import logging
 import shutil
 import ssl
 import subprocess
-import threading
-import time
 
 import httpx
 import pytest
 
-from tests.entrypoints.utils import API_KEY, MODEL_NAME, free_port
+from tests.entrypoints.utils import API_KEY, MODEL_NAME, free_port, uvicorn_thread
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CONVERSATION = [{"role": "user", "content": "What is the capital of France?"},
@@ -116,23 +114,10 @@ def _self_signed_certificate(directory) -> tuple[str, str]:
 def _listening(app, config):
     """`app` under the uvicorn config `pagedserve serve` uses; stops the listener only (the
     engine belongs to the shared server)."""
-    import uvicorn
-
     from pagedserve.entrypoints.openai.api_server import uvicorn_config
 
-    server = uvicorn.Server(uvicorn_config(app, config))
-    thread = threading.Thread(target=server.run, name="uvicorn-vllm-flags", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
+    with uvicorn_thread(uvicorn_config(app, config)):
         yield
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive()
 
 
 @pytest.fixture(scope="module")

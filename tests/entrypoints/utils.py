@@ -56,8 +56,21 @@ def serving(app, async_llm, stat_logger=None) -> Iterator[ServerHandle]:
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    try:
+        with uvicorn_thread(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning")):
+            yield ServerHandle(f"http://127.0.0.1:{port}", app, async_llm, stat_logger)
+    finally:
+        asyncio.run(async_llm.shutdown(drain_timeout=0))
+
+
+@contextlib.contextmanager
+def uvicorn_thread(config) -> Iterator[None]:
+    """uvicorn with `config` (a uvicorn.Config) in a background thread, listening on entry,
+    stopped and joined on exit."""
+    import uvicorn
+
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -65,8 +78,8 @@ def serving(app, async_llm, stat_logger=None) -> Iterator[ServerHandle]:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     try:
-        yield ServerHandle(f"http://127.0.0.1:{port}", app, async_llm, stat_logger)
+        yield
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        asyncio.run(async_llm.shutdown(drain_timeout=0))
+        assert not thread.is_alive()
