@@ -64,8 +64,11 @@ def server(tiny_dirs):
 def client(server):
     with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as client:
         yield client
-        assert not server.async_llm.is_sleeping, "a test left the engine asleep"
+        left_asleep = server.async_llm.is_sleeping
+        if left_asleep:  # wake it so one failure does not fail every later test too
+            client.post("/wake_up").raise_for_status()
         server.wait_until_idle()
+        assert not left_asleep, "a test left the engine asleep"
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +155,15 @@ def test_sleep_while_a_request_is_in_flight_is_refused(server, client):
     sleep meets the request in flight for certain."""
     async_llm = server.async_llm
     gate = threading.Event()
-    async_llm._submit(gate.wait)
+    holding = threading.Event()
+
+    def hold_engine_thread() -> None:
+        holding.set()
+        gate.wait()
+
+    async_llm._submit(hold_engine_thread)
+    # The queue counts below start from empty only once the engine thread has taken the gate.
+    assert holding.wait(timeout=30)
     responses: dict[str, httpx.Response] = {}
 
     def post(name: str, path: str, **kwargs) -> threading.Thread:
@@ -164,7 +175,7 @@ def test_sleep_while_a_request_is_in_flight_is_refused(server, client):
         return thread
 
     def wait_for_queued(num_commands: int) -> None:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while async_llm._commands.qsize() < num_commands:
             assert time.monotonic() < deadline
             time.sleep(0.01)
