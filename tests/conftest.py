@@ -18,6 +18,20 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_default_model(model_path):
+    """transformers' fp32 model of the default GGUF (the same dequantized weights), loaded once
+    per session: read-only (a test that changes it, e.g. with PEFT, works on a deep copy)."""
+    import os
+
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_path):
     from pagedserve.tokenizer import Tokenizer
 

@@ -60,8 +60,10 @@ class GGUFQuantWeight:
         return self.qtype in INT4_TYPES
 
     def select_rows(self, index: torch.Tensor) -> GGUFQuantWeight:
-        """Rows `index` of the matrix (used to undo llama.cpp's q/k row permutation)."""
-        return GGUFQuantWeight(self.qtype, self.codes[index], self.scales[index], self.mins[index])
+        """Rows `index` of the matrix (used to undo llama.cpp's q/k row permutation).
+        index_select copies whole rows: ~30x faster than advanced indexing on uint8 codes."""
+        return GGUFQuantWeight(self.qtype, *(values.index_select(0, index)
+                                             for values in (self.codes, self.scales, self.mins)))
 
     def narrow(self, dim: int, start: int, length: int) -> GGUFQuantWeight:
         """A tensor-parallel shard, still packed: rows (dim 0) anywhere, columns (dim 1, K) only
@@ -93,7 +95,7 @@ class GGUFQuantWeight:
         """fp32 [N, K] (or [len(rows), K]): the slow reference, equal to gguf's dequantize."""
         codes, scales, mins = self.codes, self.scales, self.mins
         if rows is not None:
-            codes, scales, mins = codes[rows], scales[rows], mins[rows]
+            codes, scales, mins = (values.index_select(0, rows) for values in (codes, scales, mins))
         n, k = codes.shape
         grouped = codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
         return (scales.unsqueeze(-1) * grouped + mins.unsqueeze(-1)).view(n, k)
