@@ -5,7 +5,8 @@ dispatch cost was half the step. `DecoderStack` (csrc/cpu_ops.cpp) runs the same
 Python modules call for such a step, in the same order and dtypes, from C++: same output, bitwise
 (tests/kernels/test_decoder_stack.py). It applies when every projection is packed for the
 compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/8-bit files) and the
-step has at most `stack_max_tokens` tokens; anything else runs the modules. It runs every layer
+step has at most `stack_max_tokens` tokens; anything else runs the modules. It implements the
+Llama layer as Llama, Qwen2 and Phi-3 build it (LlamaDecoderLayer), not QK-norm (Qwen3). It runs every layer
 in one call, with no all-reduce between layers and no stage boundary, so it is off under tensor or
 pipeline parallelism (the modules then run, reducing in the layers). Whether to use it at all is
 the model's KernelConfig.fused_decoder_layers (DeviceConfig; kernels/cpu_ops.py).
@@ -71,6 +72,8 @@ def build_decoder_stack(model, kernels: ModuleType | None) -> object | None:
     if ops is None or first.input_layernorm.weight.device.type != "cpu":
         return None
     attn = first.self_attn
+    if attn.q_norm is not None:  # the compiled layer has no QK-norm (Qwen3): run the modules
+        return None
     rotary = attn.rotary_emb
     stack = ops.DecoderStack(
         attn.num_heads, attn.num_kv_heads, attn.head_dim, first.input_layernorm.eps,
