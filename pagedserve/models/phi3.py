@@ -25,8 +25,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         super().load_weights(self._split_fused(weights))
 
     def _split_fused(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
-        """Yield Llama's separate weights in place of the fused ones: rows
-        | q (q_size) | k (kv_size) | v (kv_size) |  of qkv_proj and  | gate | up |  of gate_up_proj."""
+        """Yield Llama's separate weights in place of the fused ones, whose rows are
+        | q (q_size) | k (kv_size) | v (kv_size) |  in qkv_proj,  | gate | up |  in gate_up_proj."""
         config = self.config
         row_splits = {
             "qkv_proj": (("q_proj", config.q_size), ("k_proj", config.kv_size),
