@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 GGUF_ARCHITECTURES = {"qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3}
 NUM_NEW_TOKENS = 8
+PHI3_SLIDING_WINDOW = 2047
 
 
 def _quantize_q8_0(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,6 +55,8 @@ def _write_gguf(path, architecture: str, hf_model) -> None:
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if architecture == "phi3":  # as llama.cpp writes Phi-3 mini-4k's: wider than these prompts
+        writer.add_sliding_window(PHI3_SLIDING_WINDOW)
     # A byte-level vocabulary of VOCAB ids (the prompts are token ids; the text is never used).
     tokens = _byte_alphabet() + [f"<t{i}>" for i in range(VOCAB - 256)]
     writer.add_tokenizer_model("gpt2")
@@ -111,6 +114,7 @@ def test_gguf_greedy_matches_transformers(tmp_path, architecture, stack_calls):
               max_num_seqs=8)
     model = llm.engine.executor.worker.model_runner.model
     assert model.config.architecture == architecture
+    assert model.config.sliding_window == (PHI3_SLIDING_WINDOW if architecture == "phi3" else None)
     layer = model.model.layers[0]
     assert layer.mlp.gate_up_proj.weight is None  # fp32 runs on the Q8_0 codes alone
     assert (layer.self_attn.q_norm is not None) == (architecture == "qwen3")

@@ -149,6 +149,16 @@ def test_unsupported_architecture_is_one_error_naming_it_and_the_supported_list(
         assert str(error.value).endswith(SUPPORTED_LIST)
 
 
+def test_phi3_sliding_window_is_read_qwen_s_only_when_used(tmp_path):
+    shape = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+             "sliding_window": 2047}
+    for architecture, expected in [("Phi3ForCausalLM", 2047), ("Qwen3ForCausalLM", None)]:
+        (tmp_path / "config.json").write_text(json.dumps(
+            {"architectures": [architecture], "use_sliding_window": False, **shape}))
+        assert load_model_config(str(tmp_path)).sliding_window == expected, architecture
+
+
 def test_rope_scaling_is_refused_by_name(tmp_path):
     """Phi-3 128k's longrope (HF rope_scaling, or llama.cpp's rope_factors tensors)."""
     (tmp_path / "config.json").write_text(json.dumps({

@@ -1,8 +1,9 @@
 """Every architecture end to end from a Hugging Face directory, against transformers.
 
 Tiny random llama (with biases), qwen2 (q/k/v bias, untied head), qwen3 (QK-norm, head_dim 32)
-and phi3 (fused qkv and gate-up) models are saved with save_pretrained; the engine loads the directory (config.json, safetensors, tokenizer.json) and its
-greedy tokens must equal transformers' generate() on the same weights.
+and phi3 (fused qkv and gate-up) models, their norms randomized too, are saved with
+save_pretrained; the engine loads the directory (config.json, safetensors, tokenizer.json) and
+its greedy tokens must equal transformers' generate() on the same weights.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ CONFIGS = {
     # QK-norm, and a head_dim other than hidden / heads (64 / 4)
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
     # fused qkv_proj and gate_up_proj in the checkpoint
-    "phi3": lambda: transformers.Phi3Config(**COMMON, pad_token_id=0, tie_word_embeddings=False),
+    "phi3": lambda: transformers.Phi3Config(
+        **COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
 }
 PROMPTS = [[5, 17, 300, 42], list(range(100, 190)), [7] * 3, list(range(20, 60, 2))]
 
