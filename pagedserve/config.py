@@ -18,7 +18,7 @@ class ModelConfig:
     """
 
     architecture: str
-    """Our registry key: "llama" or "qwen2"."""
+    """Our registry key (models/__init__.py): "llama", "qwen2", "qwen3", "phi3"."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -41,6 +41,11 @@ class ModelConfig:
     """Every token id that ends generation (the GGUF eos plus, when known, the chat end token)."""
     name: str = ""
     """A display name for /v1/models and logs."""
+    qk_norm: bool = False
+    """An RMSNorm over head_dim on every query and key head, before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Tokens each query attends back to, itself included, on every layer (Phi-3's config);
+    None: the whole sequence. Recorded here for the attention to honour."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:

@@ -5,9 +5,11 @@ dispatch cost was half the step. `DecoderStack` (csrc/cpu_ops.cpp) runs the same
 Python modules call for such a step, in the same order and dtypes, from C++: same output, bitwise
 (tests/kernels/test_decoder_stack.py). It applies when every projection is packed for the
 compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/8-bit files) and the
-step has at most `stack_max_tokens` tokens; anything else runs the modules. It runs every layer
-in one call, with no all-reduce between layers and no stage boundary, so it is off under tensor or
-pipeline parallelism (the modules then run, reducing in the layers). Whether to use it at all is
+step has at most `stack_max_tokens` tokens; anything else runs the modules. It implements the
+plain Llama layer (Llama, Qwen2 and Phi-3 build it), not QK-norm (Qwen3) nor any subclassed
+block: those models always run the modules (`implements`). It runs every layer in one call,
+with no all-reduce between layers and no stage boundary, so it is off under tensor or pipeline
+parallelism (the modules then run, reducing in the layers). Whether to use it at all is
 the model's KernelConfig.fused_decoder_layers (DeviceConfig; kernels/cpu_ops.py).
 
 A step with LoRA adapters runs them in the stack too, in their masked form (lora/layers.py):
@@ -61,6 +63,16 @@ def _packed_args(linear: Linear) -> tuple | None:
             packed.bits, packed.activation_bits)
 
 
+def implements(layer) -> bool:
+    """Whether the compiled layer computes exactly what `layer` does: the Llama block as
+    llama.py builds it, without QK-norm. A subclassed block (another family's) may compute
+    something else, so only the exact classes qualify."""
+    from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP  # (cycle)
+
+    return (type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
+            and type(layer.mlp) is LlamaMLP and layer.self_attn.q_norm is None)
+
+
 def build_decoder_stack(model, kernels: ModuleType | None) -> object | None:
     """A DecoderStack over `model` (a LlamaModel) from `kernels` (the compiled CPU kernels), or
     None where it does not apply."""
@@ -69,6 +81,8 @@ def build_decoder_stack(model, kernels: ModuleType | None) -> object | None:
     ops = kernels
     first = model.layers[0]
     if ops is None or first.input_layernorm.weight.device.type != "cpu":
+        return None
+    if not all(implements(layer) for layer in model.layers):
         return None
     attn = first.self_attn
     rotary = attn.rotary_emb

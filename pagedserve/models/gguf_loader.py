@@ -20,11 +20,12 @@ import torch
 
 from pagedserve.config import ModelConfig
 from pagedserve.layers.quantized import PACKABLE_TYPES, GGUFQuantWeight, decode_gguf_blocks
+from pagedserve.models import unsupported_architecture
 from pagedserve.models.gguf_header import GGUFHeader, read_gguf_header, tensor_data
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -35,6 +36,9 @@ _BLOCK_TENSOR_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused, split by the model (phi3.py)
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's QK-norm
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -42,6 +46,10 @@ _BLOCK_TENSOR_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_ARCHITECTURE_BLOCK_TENSOR_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused (gate rows first), no ffn_gate
+}
+"""Where an architecture's tensor holds something else under the same GGUF name."""
 _BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _CHAT_TURN_END_TOKEN = "<|im_end|>"
 PROGRESS_MIN_BYTES = 200 * 2**20
@@ -71,7 +79,7 @@ def iter_gguf_weights(
             reported_tenths = done_bytes * 10 // total_bytes
             logger.info("startup: weights  %3d%%  %.0f of %.0f MiB read", reported_tenths * 10,
                         done_bytes / 2**20, total_bytes / 2**20)
-        hf_name = _hf_tensor_name(tensor.name, path)
+        hf_name = _hf_tensor_name(tensor.name, config.architecture, path)
         shape = tuple(reversed(tensor.shape))  # GGUF lists dims innermost first
         data = tensor_data(file_data, header.byte_order, tensor)
         if keep_packed and tensor.tensor_type in PACKABLE_TYPES and len(shape) == 2:
@@ -97,21 +105,21 @@ def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
 
     architecture = field("general.architecture")
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {architecture!r} in {path}; "
-            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
+        raise unsupported_architecture(architecture, path)
 
     def arch_field(key: str, default=None):
         return field(f"{architecture}.{key}", default)
 
     rope_scaling = arch_field("rope.scaling.type", "none")
+    tensor_names = {tensor.name for tensor in header.tensors}
+    if "rope_factors_long.weight" in tensor_names:  # Phi-3 128k: longrope as factor tensors
+        rope_scaling = "longrope"
     if rope_scaling != "none":
-        raise ValueError(f"unsupported RoPE scaling {rope_scaling!r} in {path}")
+        raise ValueError(f"unsupported RoPE scaling {rope_scaling!r} in {path}: only plain RoPE "
+                         "is implemented")
     tokens = field("tokenizer.ggml.tokens")
     hidden_size = arch_field("embedding_length")
     num_attention_heads = arch_field("attention.head_count")
-    tensor_names = {tensor.name for tensor in header.tensors}
 
     # The chat models end a turn with <|im_end|>; when the GGUF eos is another token (e.g. Qwen's
     # <|endoftext|>), generation must stop on both.
@@ -140,17 +148,20 @@ def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_token_ids if i is not None)),
         name=field("general.name") or os.path.basename(path),
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=arch_field("attention.sliding_window"),
     )
 
 
-def _hf_tensor_name(gguf_name: str, path: str) -> str:
+def _hf_tensor_name(gguf_name: str, architecture: str, path: str) -> str:
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
+    block_names = {**_BLOCK_TENSOR_NAMES, **_ARCHITECTURE_BLOCK_TENSOR_NAMES.get(architecture, {})}
     match = _BLOCK_TENSOR_PATTERN.fullmatch(gguf_name)
-    if match is None or match[2] not in _BLOCK_TENSOR_NAMES:
+    if match is None or match[2] not in block_names:
         raise ValueError(f"unexpected tensor {gguf_name!r} in {path}")
     layer_index, gguf_module, kind = match.groups()
-    return f"model.layers.{layer_index}.{_BLOCK_TENSOR_NAMES[gguf_module]}.{kind}"
+    return f"model.layers.{layer_index}.{block_names[gguf_module]}.{kind}"
 
 
 def _unpermute_rope_rows(weight, num_heads: int):

@@ -1,7 +1,8 @@
 """Llama (SmolLM2 and friends), shaped like the HF module tree so HF weight names load directly.
 
 q/k/v and gate/up are merged into one matmul each; the packed mapping routes the HF weights into
-their slices. Qwen2 reuses these blocks with its own biases (see qwen2.py).
+their slices. Qwen2 (q/k/v biases), Qwen3 (QK-norm) and Phi-3 (fused checkpoint weights) reuse
+these blocks, the differences carried by ModelConfig (see qwen2.py, qwen3.py, phi3.py).
 
 Parallelism lives in the layers (layers/linear.py): under tensor parallelism each rank holds
 num_heads/tp query heads and num_kv_heads/tp KV heads, its columns of the MLP and its rows of the
@@ -59,7 +60,7 @@ def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, local_layer_idx: int,
-                 prefix: str, backend: AttentionBackend) -> None:
+                 prefix: str, backend: AttentionBackend, kernels: ModuleType | None) -> None:
         super().__init__()
         tp_size = get_tp_group().world_size
         for name in ("num_attention_heads", "num_key_value_heads"):
@@ -77,6 +78,12 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=config.o_bias,
                                         prefix=f"{prefix}.o_proj")
+        # QK-norm (Qwen3): one RMSNorm over head_dim, shared by every query head, one by every key
+        self.q_norm, self.k_norm = (
+            (RMSNorm(self.head_dim, config.rms_norm_eps, kernels),
+             RMSNorm(self.head_dim, config.rms_norm_eps, kernels)) if config.qk_norm
+            else (None, None)
+        )
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, local_layer_idx,
                               backend)
@@ -84,6 +91,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
+        if self.q_norm is not None:
+            qkv = self._norm_qk_heads(qkv)
         # q and k are adjacent columns: rotate them as one (T, H + Hkv, D) view, half the ops.
         qk_heads = self.num_heads + self.num_kv_heads
         if self.rotary_emb.rotate_in_place(positions, qkv, qk_heads):
@@ -94,6 +103,15 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v)  # q: (T, H, D), k, v: (T, Hkv, D), this rank's heads
         return self.o_proj(out.reshape(num_tokens, -1))
+
+    def _norm_qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """(T, (H + 2 Hkv) D) -> the same with every q and k head RMS-normed over its D values."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                             self.num_kv_heads * self.head_dim], dim=1)
+        q, _ = self.q_norm(q.reshape(-1, self.head_dim))  # (T H, D)
+        k, _ = self.k_norm(k.reshape(-1, self.head_dim))  # (T Hkv, D)
+        return torch.cat([q.view(num_tokens, -1), k.view(num_tokens, -1), v], dim=1)
 
 
 class LlamaMLP(nn.Module):
@@ -120,7 +138,7 @@ class LlamaDecoderLayer(nn.Module):
                  prefix: str, kernels: ModuleType | None, backend: AttentionBackend) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, local_layer_idx,
-                                        f"{prefix}.self_attn", backend)
+                                        f"{prefix}.self_attn", backend, kernels)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)

@@ -22,7 +22,7 @@ from pagedserve.config import ModelConfig
 from pagedserve.kernels import cpu_ops
 from pagedserve.kernels.cpu_ops import KernelConfig
 from pagedserve.layers.quantized import GGUFQuantWeight
-from pagedserve.models import get_model_class
+from pagedserve.models import HF_ARCHITECTURES, get_model_class, unsupported_architecture
 from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
 from pagedserve.observability.startup import startup_phase
 
@@ -62,9 +62,6 @@ KNOWN_MODELS = {
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
 }
-_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-
-
 def resolve_model_path(name_or_path: str, cache_dir: str | None = None) -> str:
     """Return an existing path unchanged, or the GGUF file of a short name in KNOWN_MODELS.
 
@@ -174,17 +171,20 @@ def _load_hf_config(path: str) -> ModelConfig:
     if hf_config is None:
         raise ValueError(f"{path} has no config.json")
     declared = hf_config.get("architectures") or []
-    architecture = next((_HF_ARCHITECTURES[a] for a in declared if a in _HF_ARCHITECTURES), None)
+    architecture = next((HF_ARCHITECTURES[a] for a in declared if a in HF_ARCHITECTURES), None)
     if architecture is None:
-        raise ValueError(
-            f"unsupported architectures {declared} in {path}; "
-            f"supported: {', '.join(_HF_ARCHITECTURES)}"
-        )
+        raise unsupported_architecture(" / ".join(declared) or "(none declared)", path)
     # transformers >= 5 writes rope_parameters; older configs have rope_theta and rope_scaling.
     rope_parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     rope_type = rope_parameters.get("rope_type") or rope_parameters.get("type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r} in {path}")
+    if rope_type != "default":  # e.g. Phi-3's 128k "longrope" (or "su"), Llama 3.1's "llama3"
+        raise ValueError(f"unsupported RoPE scaling {rope_type!r} in {path}: only plain RoPE "
+                         "(rope_type 'default') is implemented")
+    partial_rotary_factor = rope_parameters.get(
+        "partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    if partial_rotary_factor != 1.0:
+        raise ValueError(f"partial RoPE (partial_rotary_factor {partial_rotary_factor}) in {path} "
+                         "is unsupported")
     if hf_config.get("use_sliding_window"):
         raise ValueError(f"sliding-window attention (use_sliding_window) in {path} is unsupported")
     generation_config = _read_json(os.path.join(path, "generation_config.json")) or {}
@@ -208,12 +208,16 @@ def _load_hf_config(path: str) -> ModelConfig:
         rope_theta=rope_parameters.get("rope_theta", hf_config.get("rope_theta", 10000.0)),
         max_position_embeddings=hf_config["max_position_embeddings"],
         tie_word_embeddings=hf_config.get("tie_word_embeddings", False),
-        qkv_bias=architecture == "qwen2" or attention_bias,  # Qwen2 always has q/k/v bias, never o
-        o_bias=architecture == "llama" and attention_bias,
+        # Qwen2 always has q/k/v bias and never o; Llama and Qwen3 put attention_bias on all four.
+        qkv_bias=architecture == "qwen2" or attention_bias,
+        o_bias=architecture != "qwen2" and attention_bias,
         mlp_bias=hf_config.get("mlp_bias", False),
         bos_token_id=bos_token_ids[0] if bos_token_ids else None,
         eos_token_ids=tuple(dict.fromkeys(eos_token_ids)),
         name=os.path.basename(os.path.normpath(path)),
+        qk_norm=architecture == "qwen3",
+        # Qwen2/3 window only with use_sliding_window (rejected above); Phi-3 always does.
+        sliding_window=hf_config.get("sliding_window") if architecture == "phi3" else None,
     )
 
 

@@ -28,13 +28,15 @@ BLOCK_IDS = [[1, 2], [3, 4, 5]]
 
 def tiny_config(architecture: str) -> ModelConfig:
     """llama: tied head, biases everywhere (o_proj's is added once under TP); qwen2: q/k/v
-    biases, untied head."""
+    biases, untied head; phi3: fused qkv and gate-up weights (each rank takes its q/k/v heads and
+    gate/up columns of them on load), no biases."""
     llama = architecture == "llama"
     return ModelConfig(
         architecture=architecture, vocab_size=203, hidden_size=128, intermediate_size=256,
         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
-        tie_word_embeddings=llama, qkv_bias=True, o_bias=llama, mlp_bias=llama,
+        tie_word_embeddings=llama, qkv_bias=architecture in ("llama", "qwen2"), o_bias=llama,
+        mlp_bias=llama,
     )
 
 
@@ -67,6 +69,14 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
     weights["model.norm.weight"] = 1 + randn(h, scale=0.1)
     if not config.tie_word_embeddings:
         weights["lm_head.weight"] = randn(config.vocab_size, h)
+    if config.architecture == "phi3":  # its checkpoints hold q/k/v and gate/up fused
+        for layer in range(config.num_hidden_layers):
+            prefix = f"model.layers.{layer}"
+            weights[f"{prefix}.self_attn.qkv_proj.weight"] = torch.cat([
+                weights.pop(f"{prefix}.self_attn.{name}.weight")
+                for name in ("q_proj", "k_proj", "v_proj")])
+            weights[f"{prefix}.mlp.gate_up_proj.weight"] = torch.cat([
+                weights.pop(f"{prefix}.mlp.{name}.weight") for name in ("gate_proj", "up_proj")])
     return weights
 
 

@@ -10,10 +10,12 @@ import json
 import os
 from importlib.util import find_spec
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
-from pagedserve.models import loader
+from pagedserve.models import get_model_class, loader
 from pagedserve.models.loader import (
     DEFAULT_MODEL,
     KNOWN_MODELS,
@@ -126,10 +128,55 @@ def test_hf_directory_round_trip(tmp_path, architecture):
         assert torch.equal(weight, state_dict[name].to(torch.bfloat16)), name
 
 
-def test_unsupported_inputs_raise_value_error(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
-    with pytest.raises(ValueError, match="MistralForCausalLM"):
+SUPPORTED_LIST = ("supported: llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), "
+                  "qwen3 (Qwen3ForCausalLM), phi3 (Phi3ForCausalLM)")
+
+
+def test_unsupported_architecture_is_one_error_naming_it_and_the_supported_list(tmp_path):
+    """The same message from an HF directory, a GGUF file and the registry itself."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BloomForCausalLM"]}))
+    with pytest.raises(ValueError, match="unsupported model architecture 'BloomForCausalLM'") as hf:
         load_model_config(str(tmp_path))
+    writer = gguf.GGUFWriter(str(tmp_path / "bloom.gguf"), "bloom")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported model architecture 'bloom'") as from_gguf:
+        load_model_config(str(tmp_path / "bloom.gguf"))
+    with pytest.raises(ValueError, match="unsupported model architecture 'bloom'") as registry:
+        get_model_class("bloom")
+    for error in (hf, from_gguf, registry):
+        assert str(error.value).endswith(SUPPORTED_LIST)
+
+
+def test_phi3_sliding_window_is_read_qwen_s_only_when_used(tmp_path):
+    shape = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+             "sliding_window": 2047}
+    for architecture, expected in [("Phi3ForCausalLM", 2047), ("Qwen3ForCausalLM", None)]:
+        (tmp_path / "config.json").write_text(json.dumps(
+            {"architectures": [architecture], "use_sliding_window": False, **shape}))
+        assert load_model_config(str(tmp_path)).sliding_window == expected, architecture
+
+
+def test_rope_scaling_is_refused_by_name(tmp_path):
+    """Phi-3 128k's longrope (HF rope_scaling, or llama.cpp's rope_factors tensors)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Phi3ForCausalLM"],
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}))
+    with pytest.raises(ValueError, match="unsupported RoPE scaling 'longrope'.*only plain RoPE"):
+        load_model_config(str(tmp_path))
+    writer = gguf.GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
+    writer.add_tensor("rope_factors_long.weight", np.ones(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported RoPE scaling 'longrope'.*only plain RoPE"):
+        load_model_config(str(tmp_path / "phi3.gguf"))
+
+
+def test_unsupported_inputs_raise_value_error(tmp_path):
     not_a_model = tmp_path / "weights.bin"
     not_a_model.write_bytes(b"\0")
     with pytest.raises(ValueError, match="neither a .gguf file nor an HF model directory"):
