@@ -4,13 +4,13 @@ kernels the server runs) against the fp32 engine, both with the same random adap
 
 from __future__ import annotations
 
-import os
+import copy
 
 import pytest
-import torch
 
 from pagedserve.lora import LoRARequest
 from pagedserve.sampling_params import SamplingParams
+from tests.hf_reference import eos_ids, first_divergence, teacher_forced
 from tests.lora.helpers import make_adapter
 from tests.prompts import PARITY_PROMPTS
 
@@ -21,30 +21,14 @@ PROMPTS = PARITY_PROMPTS[:3]
 
 
 @pytest.fixture(scope="module")
-def hf_and_adapter(model_path, tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("peft")
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
-        dtype=torch.float32).eval()
-    path = make_adapter(hf_model, tmp_path_factory.mktemp("adapter"), 8,
+def peft_and_adapter(hf_default_model, tmp_path_factory):
+    """(transformers + PEFT with a random adapter, the adapter's path): a copy of the session's
+    model carries the adapter."""
+    peft = pytest.importorskip("peft")
+    path = make_adapter(hf_default_model, tmp_path_factory.mktemp("adapter"), 8,
                         ["q_proj", "v_proj", "o_proj", "down_proj"], seed=0, scale=0.5)
-    return hf_model, path
-
-
-def _peft_greedy(hf_model, adapter_path, prompt_ids):
-    import copy
-
-    import peft
-
-    model = peft.PeftModel.from_pretrained(copy.deepcopy(hf_model), adapter_path).eval()
-    with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([prompt_ids]),
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.int64),
-                             max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
-    return tokens, [set(step[0].topk(TOP_N).indices.tolist()) for step in out.logits]
+    model = peft.PeftModel.from_pretrained(copy.deepcopy(hf_default_model), path).eval()
+    return model, path
 
 
 def _params():
@@ -61,8 +45,8 @@ def _agree(ours, our_top, theirs, their_top) -> bool:
     return False
 
 
-def test_real_model_lora_matches_peft_and_packed_path(make_llm, tokenizer, hf_and_adapter):
-    hf_model, adapter_path = hf_and_adapter
+def test_real_model_lora_matches_peft_and_packed_path(make_llm, tokenizer, peft_and_adapter):
+    peft_model, adapter_path = peft_and_adapter
     lora = LoRARequest("real", 1, adapter_path)
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
@@ -72,9 +56,10 @@ def test_real_model_lora_matches_peft_and_packed_path(make_llm, tokenizer, hf_an
     assert [o.outputs[0].token_ids for o in ours] != [o.outputs[0].token_ids for o in base]
     num_equal = 0
     for ids, output in zip(prompt_ids, ours):
-        theirs, their_top = _peft_greedy(hf_model, adapter_path, ids)
+        tokens = output.outputs[0].token_ids
+        reference = teacher_forced(peft_model, ids, tokens, TOP_N, eos_ids(peft_model))
         our_top = [set(lp) for lp in output.outputs[0].logprobs]
-        num_equal += _agree(output.outputs[0].token_ids, our_top, theirs, their_top)
+        num_equal += first_divergence(tokens, our_top, reference) is None
     assert num_equal >= len(PROMPTS) - 1, f"only {num_equal} prompts equal transformers + PEFT"
 
     # No prefix caching: the plain batch below must compute exactly what the mixed one does.

@@ -49,6 +49,8 @@ def _is_installed(model_name: str) -> bool:
 def gguf_with_reference(request):
     """(GGUF path, the transformers model loaded from it in fp32), once per module and model."""
     path = resolve_model_path(request.param)
+    if request.param == DEFAULT_MODEL:  # the session's (tests/conftest.py)
+        return path, request.getfixturevalue("hf_default_model")
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )
