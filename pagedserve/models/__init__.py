@@ -11,6 +11,8 @@ if TYPE_CHECKING:  # the tokenizer reads GGUF headers (gguf_header.py) without t
 _MODELS = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
 }
 
 

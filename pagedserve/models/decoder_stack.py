@@ -7,8 +7,9 @@ Python modules call for such a step, in the same order and dtypes, from C++: sam
 compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/8-bit files) and the
 step has at most `stack_max_tokens` tokens; anything else runs the modules. It runs every layer
 in one call, with no all-reduce between layers and no stage boundary, so it is off under tensor or
-pipeline parallelism (the modules then run, reducing in the layers). Whether to use it at all is
-the model's KernelConfig.fused_decoder_layers (DeviceConfig; kernels/cpu_ops.py).
+pipeline parallelism (the modules then run, reducing in the layers). It implements Llama's dense
+MLP only: a model with an MoE block (Mixtral, Qwen2-MoE) runs its modules. Whether to use it at
+all is the model's KernelConfig.fused_decoder_layers (DeviceConfig; kernels/cpu_ops.py).
 
 A step with LoRA adapters runs them in the stack too, in their masked form (lora/layers.py):
 the same ops, so the same output as the modules.
@@ -70,6 +71,10 @@ def build_decoder_stack(model, kernels: ModuleType | None) -> object | None:
     first = model.layers[0]
     if ops is None or first.input_layernorm.weight.device.type != "cpu":
         return None
+    from pagedserve.models.llama import LlamaMLP  # (llama.py imports this module)
+
+    if any(type(layer.mlp) is not LlamaMLP for layer in model.layers):
+        return None  # the stack runs the dense SiLU MLP only: not an MoE block
     attn = first.self_attn
     rotary = attn.rotary_emb
     stack = ops.DecoderStack(
