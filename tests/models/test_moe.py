@@ -178,3 +178,123 @@ def test_split_ffn_moe_equals_the_dense_model(dense_and_split):
 
     dense_tokens = _greedy(_llm(dense_dir), max_tokens=12)
     assert _greedy(_llm(split_dir), max_tokens=12) == dense_tokens
+
+
+# ---- GGUF: expert tensors stacked per layer, quantized ---------------------------------------
+
+GGUF_ARCHITECTURES = {"mixtral": "llama", "qwen2_moe": "qwen2moe"}
+"""Ours -> llama.cpp's: a Mixtral GGUF says "llama" and carries expert tensors."""
+_GGUF_BLOCK_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+
+
+def _q8_0_round_trip(weight: torch.Tensor):
+    """(codes, the values they dequantize to): the expert tensors are stored Q8_0."""
+    gguf = pytest.importorskip("gguf")
+    codes = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    values = gguf.quants.dequantize(codes, gguf.GGMLQuantizationType.Q8_0)
+    return codes, torch.from_numpy(values.copy()).reshape(weight.shape)
+
+
+def write_moe_gguf(path, architecture: str, hf_model) -> dict[str, torch.Tensor]:
+    """`hf_model` (transformers' names and stacked experts) as llama.cpp writes it: q/k rows
+    permuted for "llama", the stacked experts Q8_0. Returns the weights it holds, dequantized,
+    under transformers' names (the reference)."""
+    import gguf
+
+    config = hf_model.config
+    gguf_arch = GGUF_ARCHITECTURES[architecture]
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if architecture == "mixtral":
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_feed_forward_length(config.intermediate_size)
+    else:
+        writer.add_expert_count(config.num_experts)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    reference = {}
+    head_dim = config.hidden_size // config.num_attention_heads
+
+    def permute(weight, num_heads):  # llama.cpp's converter: the inverse of _unpermute_rope_rows
+        rows = weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:])
+        return rows.swapaxes(1, 2).reshape(weight.shape)
+
+    for name, weight in hf_model.state_dict().items():
+        weight = weight.detach().float().contiguous()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                         "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+            writer.add_tensor(gguf_name, weight.numpy())
+            reference[name] = weight
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        if module == "mlp.experts":  # gate_up_proj (E, 2I, H) or down_proj (E, H, I)
+            halves = ({"ffn_gate_exps": weight.chunk(2, dim=1)[0],
+                       "ffn_up_exps": weight.chunk(2, dim=1)[1]} if kind == "gate_up_proj"
+                      else {"ffn_down_exps": weight})
+            values = []
+            for gguf_module, half in halves.items():
+                codes, dequantized = _q8_0_round_trip(half.contiguous())
+                writer.add_tensor(f"blk.{layer}.{gguf_module}.weight", codes,
+                                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                values.append(dequantized)
+            reference[name] = torch.cat(values, dim=1)
+            continue
+        reference[name] = weight
+        if gguf_arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = (config.num_attention_heads if module == "self_attn.q_proj"
+                     else config.num_key_value_heads)
+            weight = permute(weight, heads)
+        if module == "mlp.shared_expert_gate":
+            weight = weight.reshape(-1)  # llama.cpp keeps this (1, H) gate as (H,)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_BLOCK_NAMES[module]}.{kind}", weight.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return reference
+
+
+@pytest.mark.parametrize("architecture", sorted(GGUF_ARCHITECTURES))
+def test_gguf_experts_load_like_the_hf_weights(tmp_path, architecture):
+    """A GGUF's stacked, quantized expert tensors load (dequantized, split per expert) into the
+    same model as transformers' weights of the same values: equal logits."""
+    from pagedserve.models import get_model_class
+    from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
+    from tests.distributed.tiny_llama import build_model, run_steps
+
+    torch.manual_seed(2)
+    hf_config = CONFIGS[architecture]()
+    hf_config.mlp_only_layers = []  # llama.cpp's Qwen2-MoE has experts in every layer
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    path = tmp_path / "moe.gguf"
+    reference_weights = write_moe_gguf(path, architecture, hf_model)
+
+    config = load_gguf_config(str(path))
+    assert config.architecture == architecture
+    assert config.moe.num_experts == (hf_config.num_local_experts if architecture == "mixtral"
+                                      else hf_config.num_experts)
+    assert config.moe.norm_topk_prob == (architecture == "mixtral")
+    assert config.qkv_bias == (architecture == "qwen2_moe")
+    from_gguf = get_model_class(config.architecture)(config, torch.float32)
+    from_gguf.load_weights(iter_gguf_weights(str(path), torch.float32))
+    from_gguf.eval()
+    expected = run_steps(build_model(config, reference_weights))
+    np.testing.assert_array_equal(run_steps(from_gguf), expected)
