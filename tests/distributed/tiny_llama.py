@@ -3,7 +3,8 @@
 Used by the reference (in the pytest process, one rank) and by each rank (rank_main.py), so both
 build, load and run the model the same way; only the process groups differ.
 8 query heads and 4 KV heads split over 2 and 4 TP ranks; a vocabulary of 203 (prime to 2 and 4)
-exercises the vocabulary padding; 3 layers split 2 + 1 over 2 pipeline stages.
+exercises the vocabulary padding; 3 layers split 2 + 1 over 2 pipeline stages. The MoE families
+(mixtral, qwen2_moe) have 4 experts of width 64 (split over the TP ranks like the dense MLP).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import torch
 
 from pagedserve.attention import AttentionMetadata, forward_context
 from pagedserve.attention.kv_cache import kv_cache_shape
-from pagedserve.config import ModelConfig
+from pagedserve.config import ModelConfig, MoEConfig
 from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedserve.layers.linear import Linear, VocabEmbedding
+from pagedserve.layers.moe import FusedExperts
 from pagedserve.models import get_model_class
 
 BLOCK_SIZE = 4
@@ -28,13 +30,21 @@ BLOCK_IDS = [[1, 2], [3, 4, 5]]
 
 def tiny_config(architecture: str) -> ModelConfig:
     """llama: tied head, biases everywhere (o_proj's is added once under TP); qwen2: q/k/v
-    biases, untied head."""
+    biases, untied head; mixtral: top-2 of 4 experts, no biases; qwen2_moe: qwen2's biases, a
+    shared expert, the middle layer dense."""
     llama = architecture == "llama"
+    moe = {
+        "mixtral": MoEConfig(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=64),
+        "qwen2_moe": MoEConfig(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=64,
+                               norm_topk_prob=False, shared_expert_intermediate_size=96,
+                               dense_layers=(1,)),
+    }.get(architecture)
     return ModelConfig(
         architecture=architecture, vocab_size=203, hidden_size=128, intermediate_size=256,
         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
-        tie_word_embeddings=llama, qkv_bias=True, o_bias=llama, mlp_bias=llama,
+        tie_word_embeddings=llama, qkv_bias=architecture != "mixtral", o_bias=llama,
+        mlp_bias=llama, moe=moe,
     )
 
 
@@ -58,6 +68,9 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
         weights[f"{prefix}.self_attn.o_proj.weight"] = randn(h, q)
         if config.o_bias:
             weights[f"{prefix}.self_attn.o_proj.bias"] = randn(h)
+        if config.moe is not None and layer not in config.moe.dense_layers:
+            weights.update(_random_moe(config, prefix, randn))
+            continue
         weights[f"{prefix}.mlp.gate_proj.weight"] = randn(i, h)
         weights[f"{prefix}.mlp.up_proj.weight"] = randn(i, h)
         weights[f"{prefix}.mlp.down_proj.weight"] = randn(h, i)
@@ -67,6 +80,26 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
     weights["model.norm.weight"] = 1 + randn(h, scale=0.1)
     if not config.tie_word_embeddings:
         weights["lm_head.weight"] = randn(config.vocab_size, h)
+    return weights
+
+
+def _random_moe(config: ModelConfig, prefix: str, randn) -> dict[str, torch.Tensor]:
+    """One MoE block's checkpoint weights, one matrix per expert (Mixtral's names for mixtral)."""
+    moe, h = config.moe, config.hidden_size
+    mixtral = config.architecture == "mixtral"
+    block = f"{prefix}.block_sparse_moe" if mixtral else f"{prefix}.mlp"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    width = moe.expert_intermediate_size
+    weights = {f"{block}.gate.weight": randn(moe.num_experts, h, scale=1.0)}
+    for expert in range(moe.num_experts):
+        for name, shape in zip(names, ((width, h), (width, h), (h, width))):
+            weights[f"{block}.experts.{expert}.{name}.weight"] = randn(*shape)
+    if moe.shared_expert_intermediate_size:
+        shared = moe.shared_expert_intermediate_size
+        for name, shape in zip(("gate_proj", "up_proj", "down_proj"),
+                               ((shared, h), (shared, h), (h, shared))):
+            weights[f"{block}.shared_expert.{name}.weight"] = randn(*shape)
+        weights[f"{block}.shared_expert_gate.weight"] = randn(1, h)
     return weights
 
 
@@ -81,10 +114,12 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.
 
 
 def sharded_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers of the TP-split layers (linear layers, embedding)."""
+    """Bytes of the parameters and buffers of the TP-split layers (linear layers, embedding,
+    experts)."""
     return sum(
         t.numel() * t.element_size()
-        for module in model.modules() if isinstance(module, (Linear, VocabEmbedding))
+        for module in model.modules()
+        if isinstance(module, (Linear, VocabEmbedding, FusedExperts))
         for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
     )
 
