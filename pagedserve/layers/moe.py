@@ -122,7 +122,8 @@ class FusedExperts(nn.Module):
         hidden_size = self.down_proj.shape[1]
         if shard == "down":
             _check_shape(loaded_weight, (hidden_size, full))
-            self.down_proj.data[expert_id].copy_(loaded_weight.narrow(1, self.tp_rank * local, local))
+            self.down_proj.data[expert_id].copy_(
+                loaded_weight.narrow(1, self.tp_rank * local, local))
         else:
             _check_shape(loaded_weight, (full, hidden_size))
             offset = 0 if shard == "gate" else local
@@ -159,8 +160,8 @@ class SparseMoeBlock(nn.Module):
     Checkpoint names under the block: gate.weight (the router), experts.*."""
 
     def __init__(self, config: ModelConfig, prefix: str, kernels: ModuleType | None) -> None:
+        """prefix: the block's checkpoint name (for a subclass's own layers)."""
         super().__init__()
-        self.prefix = prefix
         moe = config.moe
         self.gate = TopKRouter(config.hidden_size, moe.num_experts, moe.num_experts_per_tok,
                                moe.norm_topk_prob)
@@ -169,8 +170,8 @@ class SparseMoeBlock(nn.Module):
         self.tp_group = get_tp_group()
         self.register_buffer("expert_tokens", torch.zeros(moe.num_experts, dtype=torch.int64),
                              persistent=False)
-        """(E,) int64: the (token, expert) pairs each expert has served since the start (or the
-        last reset): its load. Summed over experts, tokens x top_k."""
+        """(E,) int64: the (token, expert) pairs each expert has served since the model was
+        loaded: its load. Summed over experts, tokens x top_k."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(T, H) -> (T, H), complete on every TP rank."""

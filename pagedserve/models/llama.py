@@ -248,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
             if self.model.is_last_stage and not config.tie_word_embeddings else None
         )
 
-    def make_mlp(self, layer_index: int, prefix: str, kernels: ModuleType | None) -> nn.Module | None:
+    def make_mlp(self, layer_index: int, prefix: str,
+                 kernels: ModuleType | None) -> nn.Module | None:
         """A family's own MLP for layer `layer_index` (see MLPFactory); Llama's is dense."""
         return None
 

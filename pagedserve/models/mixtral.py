@@ -3,9 +3,9 @@
 Llama's attention and decoder layers are reused; only the MLP differs (`make_mlp`). The module
 tree follows transformers 5 (`mlp.gate`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`);
 checkpoints name the experts one by one (`block_sparse_moe.experts.{e}.w1/w3/w2`, gate/up/down)
-or, saved by transformers 5 in its own layout, stacked. Both load. GGUF files come with the
-experts split per expert by the GGUF loader, in the Qwen2-MoE spelling (`mlp.experts.{e}.gate_proj`),
-which loads here too.
+or, saved by transformers 5 in its own layout, stacked. Both load. The GGUF loader splits a GGUF
+file's stacked experts into one matrix each, in the Qwen2-MoE spelling
+(`mlp.experts.{e}.gate_proj`), which loads here too.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Used by the reference (in the pytest process, one rank) and by each rank (rank_main.py), so both
 build, load and run the model the same way; only the process groups differ.
 8 query heads and 4 KV heads split over 2 and 4 TP ranks; a vocabulary of 203 (prime to 2 and 4)
-exercises the vocabulary padding; 3 layers split 2 + 1 over 2 pipeline stages. The MoE families
-(mixtral, qwen2_moe) have 4 experts of width 64 (split over the TP ranks like the dense MLP).
+exercises the vocabulary padding; 3 layers split 2 + 1 over 2 pipeline stages. qwen2_moe has 4
+experts of width 64 (split over the TP ranks like the dense MLP) and a shared expert.
 """
 
 from __future__ import annotations
@@ -30,21 +30,18 @@ BLOCK_IDS = [[1, 2], [3, 4, 5]]
 
 def tiny_config(architecture: str) -> ModelConfig:
     """llama: tied head, biases everywhere (o_proj's is added once under TP); qwen2: q/k/v
-    biases, untied head; mixtral: top-2 of 4 experts, no biases; qwen2_moe: qwen2's biases, a
-    shared expert, the middle layer dense."""
+    biases, untied head; qwen2_moe: qwen2's, top-2 of 4 experts and a shared expert, the middle
+    layer dense."""
     llama = architecture == "llama"
-    moe = {
-        "mixtral": MoEConfig(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=64),
-        "qwen2_moe": MoEConfig(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=64,
-                               norm_topk_prob=False, shared_expert_intermediate_size=96,
-                               dense_layers=(1,)),
-    }.get(architecture)
+    moe = MoEConfig(
+        num_experts=4, num_experts_per_tok=2, expert_intermediate_size=64, norm_topk_prob=False,
+        shared_expert_intermediate_size=96, dense_layers=(1,),
+    ) if architecture == "qwen2_moe" else None
     return ModelConfig(
         architecture=architecture, vocab_size=203, hidden_size=128, intermediate_size=256,
         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
-        tie_word_embeddings=llama, qkv_bias=architecture != "mixtral", o_bias=llama,
-        mlp_bias=llama, moe=moe,
+        tie_word_embeddings=llama, qkv_bias=True, o_bias=llama, mlp_bias=llama, moe=moe,
     )
 
 
@@ -84,23 +81,19 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
 
 
 def _random_moe(config: ModelConfig, prefix: str, randn) -> dict[str, torch.Tensor]:
-    """One MoE block's checkpoint weights, one matrix per expert (Mixtral's names for mixtral)."""
-    moe, h = config.moe, config.hidden_size
-    mixtral = config.architecture == "mixtral"
-    block = f"{prefix}.block_sparse_moe" if mixtral else f"{prefix}.mlp"
-    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-    width = moe.expert_intermediate_size
-    weights = {f"{block}.gate.weight": randn(moe.num_experts, h, scale=1.0)}
+    """One Qwen2-MoE block's checkpoint weights, one matrix per expert."""
+    moe, h, block = config.moe, config.hidden_size, f"{prefix}.mlp"
+
+    def mlp(name: str, width: int) -> dict[str, torch.Tensor]:
+        return {f"{name}.gate_proj.weight": randn(width, h),
+                f"{name}.up_proj.weight": randn(width, h),
+                f"{name}.down_proj.weight": randn(h, width)}
+
+    weights = {f"{block}.gate.weight": randn(moe.num_experts, h, scale=1.0),
+               f"{block}.shared_expert_gate.weight": randn(1, h)}
     for expert in range(moe.num_experts):
-        for name, shape in zip(names, ((width, h), (width, h), (h, width))):
-            weights[f"{block}.experts.{expert}.{name}.weight"] = randn(*shape)
-    if moe.shared_expert_intermediate_size:
-        shared = moe.shared_expert_intermediate_size
-        for name, shape in zip(("gate_proj", "up_proj", "down_proj"),
-                               ((shared, h), (shared, h), (h, shared))):
-            weights[f"{block}.shared_expert.{name}.weight"] = randn(*shape)
-        weights[f"{block}.shared_expert_gate.weight"] = randn(1, h)
-    return weights
+        weights |= mlp(f"{block}.experts.{expert}", moe.expert_intermediate_size)
+    return weights | mlp(f"{block}.shared_expert", moe.shared_expert_intermediate_size)
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -29,8 +29,9 @@ CONFIGS = {
         **COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
     # layer 1 keeps a dense MLP (mlp_only_layers); norm_topk_prob off, as in Qwen1.5-MoE
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1]),
+        **COMMON, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, mlp_only_layers=[1]),
 }
 PROMPTS = [[5, 17, 300, 42], list(range(100, 160)), [7] * 3]
 MAX_TOKENS = 8
@@ -73,7 +74,8 @@ def test_greedy_matches_transformers_and_counts_routed_tokens(hf_moe):
     for prompt, output in zip(PROMPTS, tokens):
         with torch.inference_mode():
             expected = hf_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
                 max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
             )[0, len(prompt):].tolist()
         assert output == expected
@@ -85,8 +87,33 @@ def test_greedy_matches_transformers_and_counts_routed_tokens(hf_moe):
     # each prompt token once, then each output token but the last is fed back
     num_tokens = sum(len(p) + MAX_TOKENS - 1 for p in PROMPTS)
     for counts in load.values():
-        assert len(counts) == moe.num_experts and sum(counts) == num_tokens * moe.num_experts_per_tok
+        assert len(counts) == moe.num_experts
+        assert sum(counts) == num_tokens * moe.num_experts_per_tok
         assert sum(1 for c in counts if c) > moe.num_experts_per_tok  # the router spread them
+
+
+@pytest.mark.parametrize("hf_moe", ["mixtral"], indirect=True)
+def test_tensor_parallel_equals_one_process(hf_moe):
+    """TP=2 (worker processes; every expert's intermediate dimension split): the same greedy
+    tokens, and the same expert load, counted once although both ranks route every token."""
+    _, path, _ = hf_moe
+    llm = _llm(path, enable_prefix_caching=False)
+    expected = _greedy(llm)
+    expected_load = llm.engine.expert_load()
+    llm_tp = _llm(path, enable_prefix_caching=False, tensor_parallel_size=2)
+    try:
+        assert _greedy(llm_tp) == expected
+        assert llm_tp.engine.expert_load() == expected_load
+    finally:
+        llm_tp.engine.shutdown()
+
+
+def test_lora_on_an_moe_model_is_refused_at_start_up(hf_moe):
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    architecture, path, _ = hf_moe
+    with pytest.raises(ValueError, match=f"mixture-of-experts model \\({architecture}\\)"):
+        EngineArgs(model=str(path), enable_lora=True).create_engine_config()
 
 
 def test_int4_bf16_runs_the_modules_not_the_decoder_stack(hf_moe):
@@ -298,3 +325,23 @@ def test_gguf_experts_load_like_the_hf_weights(tmp_path, architecture):
     from_gguf.eval()
     expected = run_steps(build_model(config, reference_weights))
     np.testing.assert_array_equal(run_steps(from_gguf), expected)
+
+
+def test_debug_experts_route_reports_the_engine_expert_load():
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from pagedserve.entrypoints.openai.debug_routes import add_debug_routes
+    from pagedserve.observability.timeline import TimelineStore
+
+    class FakeAsyncLLM:
+        async def expert_load(self) -> dict[int, list[int]]:
+            return {0: [3, 1, 0, 4], 2: [2, 2, 2, 2]}
+
+    app = FastAPI()
+    add_debug_routes(app, FakeAsyncLLM(), TimelineStore())
+    route = next(r for r in app.routes if getattr(r, "path", None) == "/debug/experts")
+    body = json.loads(asyncio.run(route.endpoint()).body)
+    assert body == {"object": "expert_load", "layers": [
+        {"layer": 0, "expert_tokens": [3, 1, 0, 4]}, {"layer": 2, "expert_tokens": [2, 2, 2, 2]}]}
