@@ -84,7 +84,9 @@ class MoEConfig:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                              f"got {self.num_experts_per_tok}")
         if self.expert_intermediate_size < 1 or self.shared_expert_intermediate_size < 0:
-            raise ValueError("expert intermediate sizes must be positive")
+            raise ValueError(
+                f"need expert_intermediate_size >= 1 and shared_expert_intermediate_size >= 0, got "
+                f"{self.expert_intermediate_size} and {self.shared_expert_intermediate_size}")
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")

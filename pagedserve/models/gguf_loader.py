@@ -162,7 +162,8 @@ def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
         architecture=model_architecture,
         vocab_size=arch_field("vocab_size") or len(tokens),
         hidden_size=hidden_size,
-        intermediate_size=arch_field("feed_forward_length") or moe.expert_intermediate_size,
+        intermediate_size=(arch_field("feed_forward_length")
+                           or (moe.expert_intermediate_size if moe else None)),
         num_hidden_layers=arch_field("block_count"),
         num_attention_heads=num_attention_heads,
         num_key_value_heads=arch_field("attention.head_count_kv", num_attention_heads),
