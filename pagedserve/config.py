@@ -18,7 +18,7 @@ class ModelConfig:
     """
 
     architecture: str
-    """Our registry key (models/__init__.py): "llama", "qwen2", "qwen3", "phi3"."""
+    """Our registry key (models/__init__.py): "llama", "qwen2", "qwen3", "phi3", "mixtral", ..."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,6 +46,8 @@ class ModelConfig:
     sliding_window: int | None = None
     """Tokens each query attends back to, itself included, on every layer (Phi-3's config);
     None: the whole sequence. Recorded here for the attention to honour."""
+    moe: MoEConfig | None = None
+    """The mixture-of-experts MLP (Mixtral, Qwen2-MoE); None: every MLP is dense."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -61,6 +63,35 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP's shape: each token runs the `num_experts_per_tok` experts its
+    router scores highest (softmax over all experts, then top-k), weighted by those scores."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    """top_k: the experts each token is routed to."""
+    expert_intermediate_size: int
+    """Each expert's SiLU-gated MLP width."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k weights to sum to 1 (Mixtral always; Qwen2-MoE's flag)."""
+    shared_expert_intermediate_size: int = 0
+    """A shared expert every token runs, scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE);
+    0: none."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers whose MLP is dense, of ModelConfig.intermediate_size (Qwen2-MoE's mlp_only_layers
+    and decoder_sparse_step)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        if self.expert_intermediate_size < 1 or self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                f"need expert_intermediate_size >= 1 and shared_expert_intermediate_size >= 0, got "
+                f"{self.expert_intermediate_size} and {self.shared_expert_intermediate_size}")
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -368,9 +399,14 @@ class ParallelConfig:
                     f"tensor_parallel_size {tp} does not divide the model's {name} ({count}); "
                     f"sizes that split its heads evenly: {valid}"
                 )
-        if model.intermediate_size % tp:
-            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
-                             f"intermediate_size ({model.intermediate_size})")
+        widths = {"intermediate_size": model.intermediate_size}
+        if model.moe is not None:  # the experts split their intermediate dimension too
+            widths["expert_intermediate_size"] = model.moe.expert_intermediate_size
+            widths["shared_expert_intermediate_size"] = model.moe.shared_expert_intermediate_size
+        for name, width in widths.items():
+            if width % tp:
+                raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
+                                 f"{name} ({width})")
         if self.pipeline_parallel_size > model.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} exceeds the "
                              f"model's {model.num_hidden_layers} layers")

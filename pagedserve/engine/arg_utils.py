@@ -217,6 +217,9 @@ class EngineArgs:
             raise ValueError(f"--tokenizer {self.tokenizer!r} is not the model: pagedserve reads "
                              "the tokenizer from the model's own files")
         model_config = load_model_config(model_path)
+        if self.enable_lora and model_config.moe is not None:
+            raise ValueError(f"LoRA adapters are not supported on a mixture-of-experts model "
+                             f"({model_config.architecture})")
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(

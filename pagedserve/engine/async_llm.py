@@ -221,6 +221,10 @@ class AsyncLLM:
         """LLMEngine.memory_breakdown, read between steps (the block pool changes in them)."""
         return await self._call(self.engine.memory_breakdown)
 
+    async def expert_load(self) -> dict[int, list[int]]:
+        """LLMEngine.expert_load, read between steps."""
+        return await self._call(self.engine.expert_load)
+
     async def abort(self, request_id: str) -> None:
         await self._call(lambda: self._abort(request_id))
 

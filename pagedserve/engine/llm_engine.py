@@ -571,6 +571,12 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """An MoE model's expert load: layer index -> the (token, expert) pairs each expert of
+        the layer has served since start-up (tokens x top_k per layer in all); {} for a dense
+        model. Read between steps."""
+        return self.executor.expert_load()
+
     def memory_breakdown(self) -> dict:
         """Where the memory went (observability/memory.py): tensors by part on every rank, the
         tokenizer and the runtime peak by RSS growth, the KV pool's blocks, and how many

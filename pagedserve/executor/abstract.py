@@ -10,10 +10,21 @@ a future so a pipeline of stages can hold several micro-batches at once.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from concurrent.futures import Future
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+def merge_expert_load(rank_loads: Iterable[dict[int, list[int]]]) -> dict[int, list[int]]:
+    """The ranks' Worker.expert_load() as one: pipeline stages hold different layers; the TP
+    ranks of a stage route the same tokens alike (the router is whole on each), so their counts
+    are equal and counted once."""
+    merged: dict[int, list[int]] = {}
+    for load in rank_loads:
+        merged.update(load)
+    return dict(sorted(merged.items()))
 
 
 class ExecutorError(RuntimeError):
@@ -95,6 +106,11 @@ class Executor(abc.ABC):
     def memory_report(self) -> list[dict]:
         """Each rank's Worker.memory_report(), by rank."""
         raise NotImplementedError
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """MoE layer index -> the tokens routed to each of its experts so far (every stage's
+        layers; see merge_expert_load); {} for a dense model."""
+        return {}
 
     def check_idle(self) -> list[str]:
         """What the workers still hold for requests: empty when idle (tests assert it)."""

@@ -58,6 +58,11 @@ class MemoryReport:
 
 
 @dataclass
+class ExpertLoad:
+    pass
+
+
+@dataclass
 class AddLoRA:
     """Load an adapter into host memory. Every rank replies: None, or the error's message (a bad
     adapter fails its own load, not the worker)."""
@@ -128,9 +133,10 @@ class WorkerFailure:
 
 
 for _cls in (Hello, InitWorker, DetermineNumKVBlocks, InitializeKVCache, ExecuteModel, CheckIdle,
-             MemoryReport, AddLoRA, RemoveLoRA, StartProfile, StopProfile, ProfileReply, Shutdown,
-             Sleep, WakeUp, UpdateWeights, WorkerReply, WorkerFailure, config_module.EngineConfig,
-             config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
+             MemoryReport, ExpertLoad, AddLoRA, RemoveLoRA, StartProfile, StopProfile, ProfileReply,
+             Shutdown, Sleep, WakeUp, UpdateWeights, WorkerReply, WorkerFailure,
+             config_module.EngineConfig, config_module.ModelConfig, config_module.MoEConfig,
+             config_module.CacheConfig, config_module.SchedulerConfig,
              config_module.DeviceConfig, config_module.SpeculativeConfig,
              config_module.StructuredOutputConfig, config_module.ParallelConfig,
              config_module.KVTransferConfig, config_module.LoRAConfig,

@@ -30,7 +30,7 @@ from typing import Any
 from pagedserve.config import EngineConfig, ParallelConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.executor import messages
-from pagedserve.executor.abstract import Executor, ExecutorError
+from pagedserve.executor.abstract import Executor, ExecutorError, merge_expert_load
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,10 @@ class MultiprocExecutor(Executor):
     def memory_report(self) -> list[dict]:
         replies = self._call(messages.MemoryReport(), self._all_ranks).result()
         return [replies[rank] for rank in sorted(replies)]
+
+    def expert_load(self) -> dict[int, list[int]]:
+        replies = self._call(messages.ExpertLoad(), self._all_ranks).result()
+        return merge_expert_load(replies[rank] for rank in sorted(replies))
 
     def check_idle(self) -> list[str]:
         replies = self._call(messages.CheckIdle(), self._all_ranks).result()

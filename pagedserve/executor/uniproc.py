@@ -51,6 +51,9 @@ class UniProcExecutor(Executor):
     def memory_report(self) -> list[dict]:
         return [self.worker.memory_report()]
 
+    def expert_load(self) -> dict[int, list[int]]:
+        return self.worker.expert_load()
+
     def start_profile(self) -> None:
         self.worker.start_profile()
 

@@ -75,6 +75,8 @@ def _handle(worker: Worker, message) -> messages.WorkerReply | None:
         return messages.WorkerReply(worker.check_idle())
     if isinstance(message, messages.MemoryReport):
         return messages.WorkerReply(worker.memory_report())
+    if isinstance(message, messages.ExpertLoad):
+        return messages.WorkerReply(worker.expert_load())
     if isinstance(message, messages.AddLoRA):
         try:
             worker.add_lora(message.lora_int_id, message.lora_path)

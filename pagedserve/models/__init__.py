@@ -13,8 +13,11 @@ _MODELS = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
 }
-"""Our architecture names are llama.cpp's (GGUF general.architecture); the classes are named as
+"""Our architecture names are llama.cpp's (GGUF general.architecture; its Qwen2-MoE is "qwen2moe"
+and a Mixtral GGUF may say "llama"); the classes are named as
 in HF config.json `architectures`, which is how an HF directory finds its entry."""
 
 HF_ARCHITECTURES = {class_name: name for name, (_, class_name) in _MODELS.items()}

@@ -6,11 +6,12 @@ Python modules call for such a step, in the same order and dtypes, from C++: sam
 (tests/kernels/test_decoder_stack.py). It applies when every projection is packed for the
 compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/8-bit files) and the
 step has at most `stack_max_tokens` tokens; anything else runs the modules. It implements the
-plain Llama layer (Llama, Qwen2 and Phi-3 build it), not QK-norm (Qwen3) nor any subclassed
-block: those models always run the modules (`implements`). It runs every layer in one call,
-with no all-reduce between layers and no stage boundary, so it is off under tensor or pipeline
-parallelism (the modules then run, reducing in the layers). Whether to use it at all is
-the model's KernelConfig.fused_decoder_layers (DeviceConfig; kernels/cpu_ops.py).
+plain Llama layer (Llama, Qwen2 and Phi-3 build it), not QK-norm (Qwen3), an MoE block
+(Mixtral, Qwen2-MoE) nor any subclassed block: those models always run the modules
+(`implements`). It runs every layer in one call, with no all-reduce between layers and no stage
+boundary, so it is off under tensor or pipeline parallelism (the modules then run, reducing in
+the layers). Whether to use it at all is the model's KernelConfig.fused_decoder_layers
+(DeviceConfig; kernels/cpu_ops.py).
 
 A step with LoRA adapters runs them in the stack too, in their masked form (lora/layers.py):
 the same ops, so the same output as the modules.

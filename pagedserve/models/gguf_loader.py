@@ -18,14 +18,19 @@ import gguf
 import numpy as np
 import torch
 
-from pagedserve.config import ModelConfig
+from pagedserve.config import ModelConfig, MoEConfig
 from pagedserve.layers.quantized import PACKABLE_TYPES, GGUFQuantWeight, decode_gguf_blocks
 from pagedserve.models import unsupported_architecture
 from pagedserve.models.gguf_header import GGUFHeader, read_gguf_header, tensor_data
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+
+_ROPE_PERMUTED_ARCHITECTURES = ("llama", "mixtral")
+"""Our architectures whose GGUF q/k rows llama.cpp permuted (a Mixtral GGUF says "llama")."""
+_MOE_ARCHITECTURES = {"llama": "mixtral", "mixtral": "mixtral", "qwen2moe": "qwen2_moe"}
+"""GGUF architecture with expert tensors -> our registry key."""
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2moe")
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -45,6 +50,16 @@ _BLOCK_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # mixture of experts (Mixtral, Qwen2-MoE): the router, the experts stacked (E, rows, cols)
+    # and yielded one by one, the shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _ARCHITECTURE_BLOCK_TENSOR_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused (gate rows first), no ffn_gate
@@ -88,16 +103,25 @@ def iter_gguf_weights(
             # NOTE: dequantize returns numpy (row-major) order.
             weight = gguf.quants.dequantize(data, tensor.tensor_type)
         assert tuple(weight.shape) == shape, (tensor.name, weight.shape)
-        if config.architecture == "llama" and ".q_proj." in hf_name:
+        permuted_rope = config.architecture in _ROPE_PERMUTED_ARCHITECTURES
+        if permuted_rope and ".q_proj." in hf_name:
             weight = _unpermute_rope_rows(weight, config.num_attention_heads)
-        elif config.architecture == "llama" and ".k_proj." in hf_name:
+        elif permuted_rope and ".k_proj." in hf_name:
             weight = _unpermute_rope_rows(weight, config.num_key_value_heads)
         if isinstance(weight, GGUFQuantWeight):
             yield hf_name, weight
             continue
         if not weight.flags.writeable:  # F32 tensors come back as views of the read-only mmap
             weight = weight.copy()
-        yield hf_name, torch.from_numpy(weight).to(dtype)
+        weight = torch.from_numpy(weight).to(dtype)
+        if ".mlp.experts." in hf_name:  # (E, rows, cols), dequantized: one matrix per expert
+            stem, shard, _ = hf_name.rsplit(".", 2)  # model.layers.N.mlp.experts, gate_proj
+            for expert, expert_weight in enumerate(weight):
+                yield f"{stem}.{expert}.{shard}.weight", expert_weight
+        elif hf_name.endswith(".shared_expert_gate.weight"):
+            yield hf_name, weight.reshape(1, -1)  # llama.cpp stores the (1, H) gate as (H,)
+        else:
+            yield hf_name, weight
 
 
 def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
@@ -120,6 +144,22 @@ def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
     tokens = field("tokenizer.ggml.tokens")
     hidden_size = arch_field("embedding_length")
     num_attention_heads = arch_field("attention.head_count")
+    num_experts = arch_field("expert_count", 0)
+    moe, model_architecture = None, architecture
+    if num_experts:
+        moe = MoEConfig(
+            num_experts=num_experts,
+            num_experts_per_tok=arch_field("expert_used_count"),
+            expert_intermediate_size=(arch_field("expert_feed_forward_length")
+                                      or arch_field("feed_forward_length")),
+            # llama.cpp renormalizes Mixtral's top-k weights, not Qwen2-MoE's (unless told)
+            norm_topk_prob=arch_field("expert_weights_norm", architecture != "qwen2moe"),
+            shared_expert_intermediate_size=arch_field("expert_shared_feed_forward_length", 0),
+        )
+        model_architecture = _MOE_ARCHITECTURES[architecture]
+    elif architecture in ("mixtral", "qwen2moe"):
+        raise ValueError(f"GGUF architecture {architecture!r} without {architecture}.expert_count "
+                         f"in {path}")
 
     # The chat models end a turn with <|im_end|>; when the GGUF eos is another token (e.g. Qwen's
     # <|endoftext|>), generation must stop on both.
@@ -128,10 +168,11 @@ def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
         eos_token_ids.append(next(
             (i for i, token in enumerate(tokens) if token == _CHAT_TURN_END_TOKEN), None))
     return ModelConfig(
-        architecture=architecture,
+        architecture=model_architecture,
         vocab_size=arch_field("vocab_size") or len(tokens),
         hidden_size=hidden_size,
-        intermediate_size=arch_field("feed_forward_length"),
+        intermediate_size=(arch_field("feed_forward_length")
+                           or (moe.expert_intermediate_size if moe else None)),
         num_hidden_layers=arch_field("block_count"),
         num_attention_heads=num_attention_heads,
         num_key_value_heads=arch_field("attention.head_count_kv", num_attention_heads),
@@ -150,6 +191,7 @@ def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
         name=field("general.name") or os.path.basename(path),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=arch_field("attention.sliding_window"),
+        moe=moe,
     )
 
 

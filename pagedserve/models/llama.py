@@ -14,7 +14,7 @@ IntermediateTensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
@@ -41,6 +41,10 @@ from pagedserve.layers.linear import (
 )
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
+
+MLPFactory = Callable[[int, str, ModuleType | None], nn.Module | None]
+"""(layer index, prefix, kernels) -> that layer's MLP, or None for the dense LlamaMLP: how a
+family swaps the MLP (an MoE block) while reusing these layers."""
 
 IntermediateTensors = dict[str, torch.Tensor]
 """What a pipeline stage hands the next: "hidden_states" and "residual", each (T, hidden) in the
@@ -115,15 +119,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, kernels: ModuleType | None) -> None:
+    def __init__(self, config: ModelConfig, prefix: str, kernels: ModuleType | None,
+                 intermediate_size: int | None = None) -> None:
+        """intermediate_size: the width, if not config.intermediate_size (an MoE's shared
+        expert)."""
         super().__init__()
         self.kernels = kernels
+        intermediate_size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(
-            config.hidden_size,
-            {0: config.intermediate_size, 1: config.intermediate_size},
-            bias=config.mlp_bias,
+            config.hidden_size, {0: intermediate_size, 1: intermediate_size}, bias=config.mlp_bias,
         )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size,
                                            bias=config.mlp_bias, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,11 +141,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, local_layer_idx: int,
-                 prefix: str, kernels: ModuleType | None, backend: AttentionBackend) -> None:
+                 prefix: str, kernels: ModuleType | None, backend: AttentionBackend,
+                 mlp: nn.Module | None = None) -> None:
+        """mlp: the layer's MLP, if not the dense LlamaMLP (see MLPFactory)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, local_layer_idx,
                                         f"{prefix}.self_attn", backend, kernels)
-        self.mlp = LlamaMLP(config, f"{prefix}.mlp", kernels)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, f"{prefix}.mlp", kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -158,7 +166,8 @@ class LayerOnAnotherStage(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 make_mlp: MLPFactory | None = None) -> None:
         super().__init__()
         pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
@@ -179,7 +188,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             # the attention indexes the stage's KV caches: the local layer index
             LlamaDecoderLayer(config, rotary_emb, i - self.start_layer, f"model.layers.{i}",
-                              kernels, attention_backend)
+                              kernels, attention_backend,
+                              make_mlp(i, f"model.layers.{i}.mlp", kernels) if make_mlp else None)
             if self.start_layer <= i < self.end_layer else LayerOnAnotherStage()
             for i in range(config.num_hidden_layers)
         )
@@ -202,7 +212,8 @@ class LlamaModel(nn.Module):
     def _decoder_stack(self) -> object | None:
         if self._stack is False:  # built on first use: the weights are final by then
             self._stack = build_decoder_stack(self, self._kernels)
-            self._stack_max_tokens = stack_max_tokens(self)
+            if self._stack is not None:
+                self._stack_max_tokens = stack_max_tokens(self)
         return self._stack
 
     def forward(
@@ -249,11 +260,16 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype)
+        self.model = LlamaModel(config, dtype, self.make_mlp)
         self.lm_head = (
             ParallelLMHead(config.hidden_size, config.vocab_size)
             if self.model.is_last_stage and not config.tie_word_embeddings else None
         )
+
+    def make_mlp(self, layer_index: int, prefix: str,
+                 kernels: ModuleType | None) -> nn.Module | None:
+        """A family's own MLP for layer `layer_index` (see MLPFactory); Llama's is dense."""
+        return None
 
     @property
     def start_layer(self) -> int:
@@ -295,6 +311,11 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head is not None
         return True
 
+    def load_family_weight(self, name: str, tensor: torch.Tensor) -> set[str] | None:
+        """A weight with no Llama counterpart (an MoE's experts): load it and return the keys it
+        filled (its module's `load_keys`), or None: `name` is a Llama-named weight."""
+        return None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named weights, each parameter its own slice (TP); weights of other pipeline
         stages are skipped. Every parameter of this rank must be filled exactly once."""
@@ -304,6 +325,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
             if not self._on_this_stage(name):
+                continue
+            if (keys := self.load_family_weight(name, tensor)) is not None:
+                loaded |= keys
                 continue
             for hf_name, (merged_name, shard_id) in self.packed_modules_mapping.items():
                 if f".{hf_name}." in name:
@@ -324,6 +348,8 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(name.rsplit(".", 1)[0])
             if isinstance(module, MergedLinear):
                 expected.update(f"{name}#{shard}" for shard in module.shard_offsets)
+            elif hasattr(module, "load_keys"):  # loads its own checkpoint parts (MoE experts)
+                expected |= module.load_keys(name.rsplit(".", 1)[0])
             else:
                 expected.add(name)
         if missing := sorted(expected - loaded):

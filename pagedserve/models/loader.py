@@ -18,7 +18,7 @@ from importlib.util import find_spec
 
 import torch
 
-from pagedserve.config import ModelConfig
+from pagedserve.config import ModelConfig, MoEConfig
 from pagedserve.kernels import cpu_ops
 from pagedserve.kernels.cpu_ops import KernelConfig
 from pagedserve.layers.quantized import GGUFQuantWeight
@@ -187,6 +187,8 @@ def _load_hf_config(path: str) -> ModelConfig:
                          "is unsupported")
     if hf_config.get("use_sliding_window"):
         raise ValueError(f"sliding-window attention (use_sliding_window) in {path} is unsupported")
+    if architecture == "mixtral" and hf_config.get("sliding_window") is not None:
+        raise ValueError(f"sliding-window attention (sliding_window) in {path} is unsupported")
     generation_config = _read_json(os.path.join(path, "generation_config.json")) or {}
     sources = (hf_config, generation_config)
     eos_token_ids = [
@@ -208,9 +210,11 @@ def _load_hf_config(path: str) -> ModelConfig:
         rope_theta=rope_parameters.get("rope_theta", hf_config.get("rope_theta", 10000.0)),
         max_position_embeddings=hf_config["max_position_embeddings"],
         tie_word_embeddings=hf_config.get("tie_word_embeddings", False),
-        # Qwen2 always has q/k/v bias and never o; Llama and Qwen3 put attention_bias on all four.
-        qkv_bias=architecture == "qwen2" or attention_bias,
-        o_bias=architecture != "qwen2" and attention_bias,
+        # Qwen2 always has q/k/v bias and never o, Qwen2-MoE says so in qkv_bias; Llama, Qwen3
+        # and Mixtral put attention_bias on all four.
+        qkv_bias={"qwen2": True, "qwen2_moe": hf_config.get("qkv_bias", True)}.get(
+            architecture, attention_bias),
+        o_bias=architecture not in ("qwen2", "qwen2_moe") and attention_bias,
         mlp_bias=hf_config.get("mlp_bias", False),
         bos_token_id=bos_token_ids[0] if bos_token_ids else None,
         eos_token_ids=tuple(dict.fromkeys(eos_token_ids)),
@@ -218,7 +222,30 @@ def _load_hf_config(path: str) -> ModelConfig:
         qk_norm=architecture == "qwen3",
         # Qwen2/3 window only with use_sliding_window (rejected above); Phi-3 always does.
         sliding_window=hf_config.get("sliding_window") if architecture == "phi3" else None,
+        moe=_hf_moe_config(architecture, hf_config),
     )
+
+
+def _hf_moe_config(architecture: str, hf_config: dict) -> MoEConfig | None:
+    if architecture == "mixtral":
+        return MoEConfig(num_experts=hf_config["num_local_experts"],
+                         num_experts_per_tok=hf_config["num_experts_per_tok"],
+                         expert_intermediate_size=hf_config["intermediate_size"])
+    if architecture == "qwen2_moe":
+        # transformers: layer i is sparse unless listed in mlp_only_layers or (i + 1) is not a
+        # multiple of decoder_sparse_step
+        sparse_step = hf_config.get("decoder_sparse_step", 1)
+        mlp_only_layers = set(hf_config.get("mlp_only_layers") or ())
+        return MoEConfig(
+            num_experts=hf_config["num_experts"],
+            num_experts_per_tok=hf_config["num_experts_per_tok"],
+            expert_intermediate_size=hf_config["moe_intermediate_size"],
+            norm_topk_prob=hf_config.get("norm_topk_prob", False),
+            shared_expert_intermediate_size=hf_config["shared_expert_intermediate_size"],
+            dense_layers=tuple(i for i in range(hf_config["num_hidden_layers"])
+                               if i in mlp_only_layers or (i + 1) % sparse_step),
+        )
+    return None
 
 
 def _read_json(path: str) -> dict | None:

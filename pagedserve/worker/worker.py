@@ -201,6 +201,12 @@ class Worker:
         return {"rank": self.rank, "pid": os.getpid(), "rss_bytes": memory.rss_bytes(),
                 "components": components}
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """This rank's MoE layers: layer index -> the tokens routed to each expert so far
+        (layers/moe.py); {} for a dense model."""
+        expert_load = getattr(self.model, "expert_load", None)
+        return expert_load() if expert_load is not None else {}
+
     def time_prefill(self, num_tokens: int, context_len: int) -> float:
         """Seconds a prefill of `num_tokens` after `context_len` cached tokens takes (the KV
         tiers' cost model, before any request runs)."""

@@ -34,7 +34,7 @@ def test_layer_range_is_contiguous_and_even():
 
 
 @pytest.mark.parametrize("architecture,tp,pp", [
-    ("llama", 2, 1), ("llama", 4, 1), ("llama", 1, 2), ("qwen2", 2, 2), ("phi3", 2, 1),
+    ("llama", 2, 1), ("llama", 4, 1), ("llama", 1, 2), ("qwen2", 2, 2), ("phi3", 2, 1), ("qwen2_moe", 2, 1),
 ], ids=lambda v: str(v))
 def test_ranks_match_one_process(tmp_path, architecture, tp, pp):
     config = tiny_config(architecture)

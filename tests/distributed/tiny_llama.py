@@ -3,7 +3,8 @@
 Used by the reference (in the pytest process, one rank) and by each rank (rank_main.py), so both
 build, load and run the model the same way; only the process groups differ.
 8 query heads and 4 KV heads split over 2 and 4 TP ranks; a vocabulary of 203 (prime to 2 and 4)
-exercises the vocabulary padding; 3 layers split 2 + 1 over 2 pipeline stages.
+exercises the vocabulary padding; 3 layers split 2 + 1 over 2 pipeline stages. qwen2_moe has 4
+experts of width 64 (split over the TP ranks like the dense MLP) and a shared expert.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import torch
 
 from pagedserve.attention import AttentionMetadata, forward_context
 from pagedserve.attention.kv_cache import kv_cache_shape
-from pagedserve.config import ModelConfig
+from pagedserve.config import ModelConfig, MoEConfig
 from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedserve.layers.linear import Linear, VocabEmbedding
+from pagedserve.layers.moe import FusedExperts
 from pagedserve.models import get_model_class
 
 BLOCK_SIZE = 4
@@ -29,14 +31,19 @@ BLOCK_IDS = [[1, 2], [3, 4, 5]]
 def tiny_config(architecture: str) -> ModelConfig:
     """llama: tied head, biases everywhere (o_proj's is added once under TP); qwen2: q/k/v
     biases, untied head; phi3: fused qkv and gate-up weights (each rank takes its q/k/v heads and
-    gate/up columns of them on load), no biases."""
+    gate/up columns of them on load), no biases; qwen2_moe: qwen2's, top-2 of 4 experts and a
+    shared expert, the middle layer dense."""
     llama = architecture == "llama"
+    moe = MoEConfig(
+        num_experts=4, num_experts_per_tok=2, expert_intermediate_size=64, norm_topk_prob=False,
+        shared_expert_intermediate_size=96, dense_layers=(1,),
+    ) if architecture == "qwen2_moe" else None
     return ModelConfig(
         architecture=architecture, vocab_size=203, hidden_size=128, intermediate_size=256,
         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
-        tie_word_embeddings=llama, qkv_bias=architecture in ("llama", "qwen2"), o_bias=llama,
-        mlp_bias=llama,
+        tie_word_embeddings=llama, qkv_bias=architecture in ("llama", "qwen2", "qwen2_moe"),
+        o_bias=llama, mlp_bias=llama, moe=moe,
     )
 
 
@@ -60,6 +67,9 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
         weights[f"{prefix}.self_attn.o_proj.weight"] = randn(h, q)
         if config.o_bias:
             weights[f"{prefix}.self_attn.o_proj.bias"] = randn(h)
+        if config.moe is not None and layer not in config.moe.dense_layers:
+            weights.update(_random_moe(config, prefix, randn))
+            continue
         weights[f"{prefix}.mlp.gate_proj.weight"] = randn(i, h)
         weights[f"{prefix}.mlp.up_proj.weight"] = randn(i, h)
         weights[f"{prefix}.mlp.down_proj.weight"] = randn(h, i)
@@ -80,6 +90,22 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
     return weights
 
 
+def _random_moe(config: ModelConfig, prefix: str, randn) -> dict[str, torch.Tensor]:
+    """One Qwen2-MoE block's checkpoint weights, one matrix per expert."""
+    moe, h, block = config.moe, config.hidden_size, f"{prefix}.mlp"
+
+    def mlp(name: str, width: int) -> dict[str, torch.Tensor]:
+        return {f"{name}.gate_proj.weight": randn(width, h),
+                f"{name}.up_proj.weight": randn(width, h),
+                f"{name}.down_proj.weight": randn(h, width)}
+
+    weights = {f"{block}.gate.weight": randn(moe.num_experts, h, scale=1.0),
+               f"{block}.shared_expert_gate.weight": randn(1, h)}
+    for expert in range(moe.num_experts):
+        weights |= mlp(f"{block}.experts.{expert}", moe.expert_intermediate_size)
+    return weights | mlp(f"{block}.shared_expert", moe.shared_expert_intermediate_size)
+
+
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     """This rank's part of the model (read from the process groups), loaded from full weights."""
     model = get_model_class(config.architecture)(config, torch.float32)
@@ -91,10 +117,12 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.
 
 
 def sharded_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers of the TP-split layers (linear layers, embedding)."""
+    """Bytes of the parameters and buffers of the TP-split layers (linear layers, embedding,
+    experts)."""
     return sum(
         t.numel() * t.element_size()
-        for module in model.modules() if isinstance(module, (Linear, VocabEmbedding))
+        for module in model.modules()
+        if isinstance(module, (Linear, VocabEmbedding, FusedExperts))
         for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
     )
 

@@ -3,6 +3,8 @@
     GET /v1/requests                      recent requests' timelines, newest first (?limit=N)
     GET /v1/requests/{id}/timeline        one request's timeline, by its response id
     GET /debug/memory                     where the memory went, and how many requests fit
+    GET /debug/experts                    an MoE model's expert load: tokens routed to each
+                                          expert of each layer since start-up
 
 The memory breakdown is also exported as the gauge `pagedserve:memory_bytes{component}`,
 refreshed on each scrape of /metrics (see `refresh_memory_gauges`).
@@ -39,6 +41,15 @@ def add_debug_routes(app: FastAPI, async_llm: AsyncLLM, timelines: TimelineStore
     @app.get("/debug/memory")
     async def debug_memory() -> JSONResponse:
         return JSONResponse(await async_llm.memory_breakdown())
+
+    @app.get("/debug/experts")
+    async def debug_experts() -> JSONResponse:
+        # JSON on demand rather than a Prometheus series per (layer, expert): thousands of
+        # series on a real MoE (24 layers x 60 experts) for a metric read now and then.
+        load = await async_llm.expert_load()
+        return JSONResponse({"object": "expert_load",
+                             "layers": [{"layer": layer, "expert_tokens": counts}
+                                        for layer, counts in load.items()]})
 
 
 class MemoryGauges:
