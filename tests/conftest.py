@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.shared_engines import shared_weights_llm
+
 # Engine imports live inside the fixtures: tests/core must run without importing torch.
 
 
@@ -38,45 +40,15 @@ def tokenizer(model_path):
     return Tokenizer.from_path(model_path)
 
 
-_MODELS: dict[str, object] = {}
-
-
-def _shared_model(model_path: str, dtype: str, keep_packed: bool, quantize: str | None = None):
-    key = f"{dtype}-{quantize or ('packed' if keep_packed else 'dense')}"
-    if key not in _MODELS:
-        import torch
-
-        from pagedserve.models.loader import load_model_config
-        from pagedserve.models.loader import load_model
-
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        _MODELS[key] = load_model(
-            model_path, load_model_config(model_path), torch_dtype, torch.device("cpu"),
-            keep_packed, quantize,
-        )
-    return _MODELS[key]
-
-
 @pytest.fixture
 def make_llm(model_path, tokenizer):
     """Factory: make_llm(**engine_args) -> LLM over the session's shared weights (fp32 default)."""
-    from pagedserve.engine.arg_utils import EngineArgs
-    from pagedserve.engine.llm import LLM
-    from pagedserve.engine.llm_engine import LLMEngine
+    engines = []
 
-    engines: list[LLMEngine] = []
-
-    def factory(**overrides) -> LLM:
-        overrides.setdefault("dtype", "float32")
-        overrides.setdefault("kv_cache_memory", "512MiB")
-        config = EngineArgs(model=model_path, **overrides).create_engine_config()
-        device = config.device
-        model = _shared_model(
-            model_path, device.dtype, device.keeps_weights_packed, device.quantize_on_load
-        )
-        engine = LLMEngine(config, tokenizer=tokenizer, model=model)
-        engines.append(engine)
-        return LLM.from_engine(engine)
+    def factory(**overrides):
+        llm = shared_weights_llm(model_path, tokenizer, **overrides)
+        engines.append(llm.engine)
+        return llm
 
     yield factory
     for engine in engines:

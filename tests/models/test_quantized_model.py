@@ -22,9 +22,10 @@ import pytest
 
 import pagedserve.layers.linear as linear_module
 from pagedserve.sampling_params import SamplingParams
+from tests.shared_engines import shared_weights_llm
 from tests.prompts import CHAT_QUESTIONS, PARITY_PROMPTS, chat_prompt
 
-NUM_NEW_TOKENS = 64
+NUM_NEW_TOKENS = 32
 # The shared prompts up to ~600 tokens (the two ~1,300-1,500 token ones would double the time),
 # plus short chat prompts: 20 in all.
 PROMPTS = PARITY_PROMPTS[:9] + [chat_prompt(q) for q in CHAT_QUESTIONS[:11]]
@@ -106,10 +107,27 @@ def test_packed_bf16_tracks_fp32_reference(make_llm, tokenizer, int4_everywhere)
     assert sum(agreeing) >= 0.5 * NUM_NEW_TOKENS * len(PROMPTS), agreeing
 
 
-def test_perplexity_within_one_percent_of_fp32(make_llm, tokenizer, monkeypatch):
+@pytest.fixture(scope="module")
+def text_ids(tokenizer) -> list[int]:
     token_ids = tokenizer.encode(TEXT)
     assert len(token_ids) > 700
-    reference = _perplexity(make_llm(dtype="float32"), token_ids)
+    return token_ids
+
+
+@pytest.fixture(scope="module")
+def fp32_perplexity(model_path, tokenizer, text_ids) -> float:
+    """The fp32 engine's perplexity on TEXT: the reference of every test below, computed once."""
+    llm = shared_weights_llm(model_path, tokenizer)
+    try:
+        return _perplexity(llm, text_ids)
+    finally:
+        llm.engine.assert_idle()
+        llm.engine.shutdown()
+
+
+def test_perplexity_within_one_percent_of_fp32(make_llm, text_ids, fp32_perplexity, monkeypatch):
+    token_ids = text_ids
+    reference = fp32_perplexity
     default_mix = _perplexity(make_llm(dtype="bfloat16"), token_ids)  # prefill: dense bf16 rows
     monkeypatch.setattr(linear_module, "PACKED_MAX_ROWS", 1 << 30)
     int4 = _perplexity(make_llm(dtype="bfloat16"), token_ids)
@@ -126,11 +144,10 @@ ON_LOAD_PERPLEXITY_TOLERANCE = {"int8": 0.03, "int4": 0.07}
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantize_on_load_perplexity(make_llm, tokenizer, scheme):
+def test_quantize_on_load_perplexity(make_llm, text_ids, fp32_perplexity, scheme):
     """--quantization int8/int4 quantize every linear weight (here the dequantized GGUF ones)
     per 32-element group on load and run packed only."""
-    token_ids = tokenizer.encode(TEXT)
-    reference = _perplexity(make_llm(dtype="float32"), token_ids)
+    token_ids, reference = text_ids, fp32_perplexity
     llm = make_llm(dtype="bfloat16", quantization=scheme)
     layer = llm.engine.executor.worker.model_runner.model.model.layers[0]
     assert layer.mlp.down_proj.weight is None and layer.mlp.down_proj.packed is not None

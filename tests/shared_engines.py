@@ -1,0 +1,39 @@
+"""The real default model's weights loaded once per test session (per dtype and packing), and
+engines built over them: a plain module, so every test module shares the one cache."""
+
+from __future__ import annotations
+
+_MODELS: dict[str, object] = {}
+
+
+def _shared_model(model_path: str, dtype: str, keep_packed: bool, quantize: str | None = None):
+    key = f"{dtype}-{quantize or ('packed' if keep_packed else 'dense')}"
+    if key not in _MODELS:
+        import torch
+
+        from pagedserve.models.loader import load_model_config
+        from pagedserve.models.loader import load_model
+
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        _MODELS[key] = load_model(
+            model_path, load_model_config(model_path), torch_dtype, torch.device("cpu"),
+            keep_packed, quantize,
+        )
+    return _MODELS[key]
+
+
+def shared_weights_llm(model_path: str, tokenizer, **overrides):
+    """An LLM over the session's shared weights (fp32 and a 512 MiB pool unless overridden);
+    the caller checks it idle and shuts it down (make_llm does)."""
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    overrides.setdefault("dtype", "float32")
+    overrides.setdefault("kv_cache_memory", "512MiB")
+    config = EngineArgs(model=model_path, **overrides).create_engine_config()
+    device = config.device
+    model = _shared_model(
+        model_path, device.dtype, device.keeps_weights_packed, device.quantize_on_load
+    )
+    return LLM.from_engine(LLMEngine(config, tokenizer=tokenizer, model=model))
