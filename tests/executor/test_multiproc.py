@@ -27,20 +27,42 @@ PROMPTS = [[5, 17, 300, 42], list(range(100, 190)), [7] * 3, list(range(20, 60, 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, detokenize=False)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def tiny_dir(request, tmp_path_factory, tokenizer):
-    torch.manual_seed(0)
-    common = dict(vocab_size=510, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-                  initializer_range=0.3)  # logits far apart: greedy has no near-ties
-    config = (transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
-              if request.param == "llama"
-              else transformers.Qwen2Config(**common, tie_word_embeddings=False))
-    path = tmp_path_factory.mktemp(request.param)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer._tokenizer.save(str(path / "tokenizer.json"))
-    return str(path)
+@pytest.fixture(scope="module")
+def make_tiny_dir(tmp_path_factory, tokenizer):
+    """architecture -> a tiny random HF directory of it, written once per module."""
+    paths: dict[str, str] = {}
+
+    def make(architecture: str) -> str:
+        if architecture not in paths:
+            torch.manual_seed(0)
+            common = dict(vocab_size=510, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                          max_position_embeddings=256,
+                          initializer_range=0.3)  # logits far apart: greedy has no near-ties
+            config = (
+                transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
+                if architecture == "llama"
+                else transformers.Qwen2Config(**common, tie_word_embeddings=False))
+            path = tmp_path_factory.mktemp(architecture)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.save_pretrained(path, safe_serialization=True)
+            tokenizer._tokenizer.save(str(path / "tokenizer.json"))
+            paths[architecture] = str(path)
+        return paths[architecture]
+
+    return make
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny_dir(request, make_tiny_dir) -> str:
+    """Each architecture in turn: what the model computes is under test."""
+    return make_tiny_dir(request.param)
+
+
+@pytest.fixture
+def llama_dir(make_tiny_dir) -> str:
+    """One architecture: the control path and its errors do not depend on the model."""
+    return make_tiny_dir("llama")
 
 
 def generate(model: str, prompts=PROMPTS, params=GREEDY, **engine_args) -> tuple[list, LLM]:
@@ -150,14 +172,14 @@ for _name in ("dumps", "loads", "dump", "load"):
 """
 
 
-def test_no_pickle_on_the_control_path(tiny_dir, tmp_path, monkeypatch):
+def test_no_pickle_on_the_control_path(llama_dir, tmp_path, monkeypatch):
     """pickle.dumps / loads raise in the engine process during steps, and in every worker
     process outside imports (a sitecustomize on the workers' PYTHONPATH; jinja2 pickles a
     constant when it is imported)."""
     (tmp_path / "sitecustomize.py").write_text(WORKER_PICKLE_GUARD)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    llm = LLM(model=tiny_dir, dtype="float32", kv_cache_memory="32MiB", tensor_parallel_size=2)
+    llm = LLM(model=llama_dir, dtype="float32", kv_cache_memory="32MiB", tensor_parallel_size=2)
     try:
         def refuse(*args, **kwargs):
             raise AssertionError("pickle used in the engine")
@@ -177,13 +199,13 @@ def test_heads_that_do_not_split_are_refused_at_startup(model_path):
         LLM(model=model_path, tensor_parallel_size=2)
 
 
-def test_a_worker_that_cannot_start_gives_one_clear_error(tiny_dir):
+def test_a_worker_that_cannot_start_gives_one_clear_error(llama_dir):
     with pytest.raises(ExecutorError, match=r"worker rank \d failed: .*") as failure:
-        LLM(model=tiny_dir, device="cuda:7", dtype="float32", tensor_parallel_size=2)
+        LLM(model=llama_dir, device="cuda:7", dtype="float32", tensor_parallel_size=2)
     assert "\n" not in str(failure.value)
 
 
-def test_a_rendezvous_port_in_use_gives_one_clear_error(tiny_dir):
+def test_a_rendezvous_port_in_use_gives_one_clear_error(llama_dir):
     import socket
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
@@ -191,5 +213,5 @@ def test_a_rendezvous_port_in_use_gives_one_clear_error(tiny_dir):
         with socket.create_server(("127.0.0.1", port + 1)):
             pass  # the control port (the next one) is free: only the rendezvous collides
         with pytest.raises(ExecutorError, match=r"worker rank 0 failed: ") as failure:
-            LLM(model=tiny_dir, dtype="float32", tensor_parallel_size=2, master_port=port)
+            LLM(model=llama_dir, dtype="float32", tensor_parallel_size=2, master_port=port)
     assert "\n" not in str(failure.value)
