@@ -206,15 +206,31 @@ def _try_complete(base_url: str, prompt: str) -> int:
         return 0
 
 
-def test_the_front_exits_1_when_every_replica_has_died(tmp_path):
-    with dp_front(tmp_path / "front.log") as front:
+def test_the_front_checks_the_api_key_then_exits_1_when_every_replica_has_died(tmp_path):
+    """One front with --api-key for both checks (each front costs two model loads)."""
+    front = serve([*DP_FLAGS, "--api-key", "k"], tmp_path / "front.log")
+    with front:
         pids = list(replicas(front).values())
         assert len(pids) == 2
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        front.process.wait(timeout=60)
-        assert front.process.returncode == 1, front.log_tail()
-        assert "every replica has exited" in front.log_tail()
+        try:
+            url = front.base_url + "/v1/completions"
+            body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
+            assert httpx.post(url, json=body, timeout=60).status_code == 401
+            assert httpx.post(url, json=body, timeout=60,
+                              headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert httpx.get(front.base_url + "/add_worker", timeout=10).status_code == 401
+            assert httpx.post(url, json=body, timeout=60,
+                              headers={"Authorization": "Bearer k"}).status_code == 200
+            assert httpx.get(front.base_url + "/health", timeout=10).status_code == 200
+
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            front.process.wait(timeout=60)
+            assert front.process.returncode == 1, front.log_tail()
+            assert "every replica has exited" in front.log_tail()
+        finally:
+            front.stop()
+            kill_survivors(pids)
     assert all(is_gone(pid) for pid in pids)
 
 
@@ -232,21 +248,3 @@ def test_a_replica_that_cannot_start_fails_the_front_with_exit_2(tmp_path):
         wait_until(lambda: all(is_gone(pid) for pid in pids), 30, "a replica outlived the front")
     finally:
         kill_survivors(pids)
-
-
-def test_the_front_checks_the_api_key(tmp_path):
-    with serve([*DP_FLAGS, "--api-key", "k"], tmp_path / "front.log") as front:
-        pids = list(replicas(front).values())
-        try:
-            url = front.base_url + "/v1/completions"
-            body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
-            assert httpx.post(url, json=body, timeout=60).status_code == 401
-            assert httpx.post(url, json=body, timeout=60,
-                              headers={"Authorization": "Bearer wrong"}).status_code == 401
-            assert httpx.get(front.base_url + "/add_worker", timeout=10).status_code == 401
-            assert httpx.post(url, json=body, timeout=60,
-                              headers={"Authorization": "Bearer k"}).status_code == 200
-            assert httpx.get(front.base_url + "/health", timeout=10).status_code == 200
-        finally:
-            front.stop()
-            kill_survivors(pids)
