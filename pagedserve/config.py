@@ -42,12 +42,22 @@ class ModelConfig:
     name: str = ""
     """A display name for /v1/models and logs."""
     qk_norm: bool = False
-    """An RMSNorm over head_dim on every query and key head, before RoPE (Qwen3)."""
+    """An RMSNorm over head_dim on every query and key head, before RoPE (Qwen3, Gemma 3)."""
     sliding_window: int | None = None
-    """Tokens each query attends back to, itself included, on every layer (Phi-3's config);
-    None: the whole sequence. Recorded here for the attention to honour."""
+    """Tokens a windowed layer attends back to, itself included: a query at position p sees
+    positions > p - sliding_window (HF's convention); None: the whole sequence. Which layers are
+    windowed: sliding_window_layers."""
     moe: MoEConfig | None = None
     """The mixture-of-experts MLP (Mixtral, Qwen2-MoE); None: every MLP is dense."""
+    sliding_window_layers: tuple[bool, ...] = ()
+    """Per layer: True where it attends within sliding_window (Gemma 3's local layers); empty:
+    every layer does (Phi-3)."""
+    rope_local_theta: float | None = None
+    """RoPE base of the windowed layers (Gemma 3: 10,000); None: rope_theta."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by its -1/2 power (Gemma); None: head_dim's."""
+    final_logit_softcapping: float | None = None
+    """Logits become cap * tanh(logits / cap); None: left as they are."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -55,6 +65,17 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.sliding_window_layers and len(self.sliding_window_layers) != self.num_hidden_layers:
+            raise ValueError(f"sliding_window_layers has {len(self.sliding_window_layers)} entries "
+                             f"for {self.num_hidden_layers} layers")
+        if any(self.sliding_window_layers) and (self.sliding_window or 0) < 1:
+            raise ValueError(f"windowed layers need sliding_window >= 1, got {self.sliding_window}")
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """Layer `layer`'s window (None: it attends to every earlier position)."""
+        if self.sliding_window_layers and not self.sliding_window_layers[layer]:
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:

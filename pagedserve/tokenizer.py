@@ -1,7 +1,7 @@
 """Text <-> token ids for one model, and its chat template.
 
-Builds a `tokenizers.Tokenizer` from a GGUF file's metadata (byte-level BPE only) or loads an HF
-`tokenizer.json` directory. Knows nothing of the engine, torch or `transformers`; streaming concerns
+Builds a `tokenizers.Tokenizer` from a GGUF file's metadata (byte-level BPE, and Gemma's
+SentencePiece BPE) or loads an HF `tokenizer.json` directory. Knows nothing of the engine, torch or `transformers`; streaming concerns
 (partial UTF-8, stop strings) live in detokenizer.py.
 """
 
@@ -22,6 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedserve.chat_templates import default_chat_template
 from pagedserve.models.gguf_header import read_gguf_header
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,41 @@ def _pre_tokenizer_for(
     if pre_type not in ("gpt2", "default"):
         logger.warning("unknown tokenizer.ggml.pre %r; using the GPT-2 pre-tokenizer regex", pre_type)
     return _gpt2_bytes(), None, False
+
+
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+_SPACE = "\u2581"
+"""SentencePiece's visible space: its vocabularies spell " hello" as "\u2581hello"."""
+
+
+def _gemma_sentencepiece(tokens: list[str], unk_token: str) -> tuple[HFTokenizer, set[str]]:
+    """Gemma's SentencePiece BPE vocabulary (tokenizer.ggml.model "llama") as a `tokenizers` BPE,
+    the way transformers' GemmaTokenizer reads the same GGUF; returns it and the vocabulary's
+    spellings.
+
+    Spaces become "\u2581" before the lookup and back after, no prefix space; characters
+    the vocabulary lacks fall back to their UTF-8 byte tokens (<0x..>). The file stores no merges:
+    every split of a token into two tokens is a merge, ranked by the token's position in the file
+    (its merge order; Gemma's scores do not follow it), a longer left piece first. Tokens that are
+    runs of whitespace with a space are stored with real spaces: they are respelled with
+    "\u2581", as the text they must match is.
+    """
+    spelled = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: token_id for token_id, token in enumerate(spelled)}
+    merges = []
+    for token in sorted(vocab, key=vocab.__getitem__):  # best (earliest) first
+        for split in range(len(token) - 1, 0, -1):
+            left, right = token[:split], token[split:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk_token,
+                                       fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", _SPACE)
+    # Splits nothing once spaces are spelled out (GemmaTokenizer's, kept for the same output).
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tokenizer, set(vocab)
 
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):
@@ -165,7 +201,10 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-        """Rebuild the byte-level BPE tokenizer a GGUF file describes, with `tokenizers` alone.
+        """Rebuild the tokenizer a GGUF file describes, with `tokenizers` alone: byte-level BPE
+        (tokenizer.ggml.model "gpt2") or Gemma's SentencePiece BPE ("llama" in a Gemma file).
+        A file without a chat template gets the one we ship for its architecture, if any
+        (chat_templates/).
 
         The header is parsed once per file and shared with the model's config and weights
         (models/gguf_header.py).
@@ -175,26 +214,35 @@ class Tokenizer:
         def meta(key: str, default: Any = None) -> Any:
             return header.get(f"tokenizer.{key}", default)
 
-        if meta("ggml.model") != "gpt2":
-            raise ValueError("only byte-level BPE GGUF tokenizers (tokenizer.ggml.model='gpt2') are "
-                             f"supported, got {meta('ggml.model')!r}")
+        architecture = header.get("general.architecture")
+        tokenizer_model = meta("ggml.model")
         tokens: list[str] = meta("ggml.tokens")
-        merges = [tuple(merge.split(" ", 1)) for merge in meta("ggml.merges", [])]
         pre_type = meta("ggml.pre", "default")
-        pre_tokenizer, normalizer, ignore_merges = _pre_tokenizer_for(pre_type)
-
-        vocab = {token: token_id for token_id, token in enumerate(tokens)}
-        tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
-        tokenizer.normalizer = normalizer
-        tokenizer.pre_tokenizer = pre_tokenizer
-        tokenizer.decoder = decoders.ByteLevel()
+        if tokenizer_model == "gpt2":
+            merges = [tuple(merge.split(" ", 1)) for merge in meta("ggml.merges", [])]
+            pre_tokenizer, normalizer, ignore_merges = _pre_tokenizer_for(pre_type)
+            vocab = {token: token_id for token_id, token in enumerate(tokens)}
+            tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges,
+                                               ignore_merges=ignore_merges))
+            tokenizer.normalizer = normalizer
+            tokenizer.pre_tokenizer = pre_tokenizer
+            tokenizer.decoder = decoders.ByteLevel()
+            spellings = None  # every token is spelled as it is stored
+        elif tokenizer_model == "llama" and architecture in _GEMMA_ARCHITECTURES:
+            tokenizer, spellings = _gemma_sentencepiece(
+                tokens, tokens[meta("ggml.unknown_token_id", 3)])
+        else:
+            raise ValueError("GGUF tokenizers supported: byte-level BPE (tokenizer.ggml.model "
+                             "'gpt2') and Gemma's SentencePiece ('llama' in a gemma file); got "
+                             f"{tokenizer_model!r} in a {architecture!r} file")
         # Added tokens are already in the vocabulary at their own ids, so adding them only makes
         # them match whole in text (<|im_start|> -> one id); the id space does not grow.
         typed = list(zip(tokens, meta("ggml.token_type", [])))
         tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                       for t, kind in typed if kind == _CONTROL])
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                              for t, kind in typed if kind == _USER_DEFINED])
+                              for t, kind in typed if kind == _USER_DEFINED
+                              and (spellings is None or t in spellings)])
 
         bos_id, eos_id = meta("ggml.bos_token_id"), meta("ggml.eos_token_id")
         # Without the flag, follow llama.cpp: Llama 3 vocabularies add BOS, other BPE ones do not.
@@ -205,7 +253,8 @@ class Tokenizer:
             special = {tokens[i]: i for i in (bos_id, eos_id) if i is not None}
             tokenizer.post_processor = processors.TemplateProcessing(single=template,
                                                                      special_tokens=list(special.items()))
-        return cls(tokenizer, bos_id, eos_id, meta("chat_template"))
+        chat_template = meta("chat_template") or default_chat_template(architecture)
+        return cls(tokenizer, bos_id, eos_id, chat_template)
 
     @classmethod
     def from_hf_dir(cls, directory: str | os.PathLike) -> Tokenizer:

@@ -35,5 +35,12 @@ class AttentionBackend(ABC):
         attention reads, so a request may read blocks another request of the same step writes."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """q: (T, H, D) -> (T, H, D), reading every request's context from the cache."""
+    def forward(
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+        scale: float | None = None, sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """q: (T, H, D) -> (T, H, D), reading every request's context from the cache.
+
+        scale: of the scores (None: head_dim ** -0.5). sliding_window: a query at position p
+        sees only keys at positions > p - sliding_window (itself included, HF's convention);
+        None: every earlier position. Both are per layer (Attention holds them)."""

@@ -3,8 +3,10 @@
 The kernels read the cache in place: decodes and short steps through `paged_attention`, bf16
 prefill chunks through the flash-style `prefill_attention` (2-3x the torch paths). Where a step's
 shape is not theirs the torch functions of attention/paged.py run, exactly as that backend would:
-queries whose heads are not dense, fp32 prefill chunks longer than KERNEL_MAX_TOKENS, and prefill
-chunks whose head_dim the flash kernel does not take.
+queries whose heads are not dense, fp32 prefill chunks longer than KERNEL_MAX_TOKENS, prefill
+chunks whose head_dim the flash kernel does not take, and layers with a sliding window in steps
+where the window hides some key (the kernels know no windows; while every sequence of the step
+fits in the window, it changes nothing and the kernels serve).
 
 A quantized cache (int8 / fp8 codes, fp16 scales: attention/kv_cache.py) goes to the same kernels:
 its scales ride along as the last arguments (`*scales`, empty for a plain cache), the kernels
@@ -52,15 +54,21 @@ class CpuKernelAttentionBackend(AttentionBackend):
             return
         write_kv_index_copy(kv_cache, k, v, slot_mapping)
 
-    def forward(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants dense heads
-            return self._torch.forward(q, kv_cache, meta)
+    def forward(
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+        scale: float | None = None, sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        window_cuts = sliding_window is not None and max(meta.seq_lens) > sliding_window
+        if window_cuts or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            # the kernels know no windows and want dense heads
+            return self._torch.forward(q, kv_cache, meta, scale, sliding_window)
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs or q.shape[0] <= KERNEL_MAX_TOKENS:
-            return self._paged_attention(q, kv_cache, meta)
+            return self._paged_attention(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
         if num_decodes:
-            out[:num_decodes] = self._paged_attention(q[:num_decodes], kv_cache, meta)
+            out[:num_decodes] = self._paged_attention(q[:num_decodes], kv_cache, meta, scale)
         flash = self._flash_serves(q)
         key_cache, value_cache, *scales = kv_cache
         for i in range(num_decodes, meta.num_reqs):
@@ -68,14 +76,14 @@ class CpuKernelAttentionBackend(AttentionBackend):
             if flash:
                 out[start:end] = self.kernels.prefill_attention(
                     q[start:end], key_cache, value_cache, meta.block_table[i],
-                    meta.context_lens[i], q.shape[-1] ** -0.5, *scales,
+                    meta.context_lens[i], scale, *scales,
                 )
             else:
-                out[start:end] = gathered_prefill_attention(q[start:end], kv_cache, meta, i)
+                out[start:end] = gathered_prefill_attention(q[start:end], kv_cache, meta, i, scale)
         return out
 
     def _paged_attention(
-        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
         """The kernel (csrc/cpu_ops.cpp paged_attention) for the step's first q.shape[0]
         tokens: reads the cache in place, no gathered copy; fp32 throughout."""
@@ -84,7 +92,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
         key_cache, value_cache, *scales = kv_cache
         return self.kernels.paged_attention(
             q, key_cache, value_cache, meta.block_table, rows[:num_tokens], lens[:num_tokens],
-            q.shape[-1] ** -0.5, *scales,
+            scale, *scales,
         )
 
     def _flash_serves(self, q: torch.Tensor) -> bool:

