@@ -16,8 +16,6 @@ the row (0 * NaN = NaN); zero codes with zero scales dequantize to 0.
 
 from __future__ import annotations
 
-import mmap
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -88,67 +86,13 @@ class KVCacheSpec:
         )
         return self.num_layers * per_layer
 
-    def allocate(self, num_blocks: int, device: torch.device | str,
-                 host_memory: PrefaultedHostMemory | None = None) -> list[KVCache]:
-        """One KVCache per layer, zeroed: carved from `host_memory` where it is given and holds
-        them (CPU), else allocated."""
-        layouts = [list(zip(self.shapes(num_blocks), self.dtypes()))] * self.num_layers
-        if host_memory is not None:
-            tensors = host_memory.carve([layout for layer in layouts for layout in layer])
-            if tensors is not None:
-                per_layer = len(layouts[0])
-                return [tuple(tensors[i : i + per_layer])
-                        for i in range(0, len(tensors), per_layer)]
-        return [tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in layer)
-                for layer in layouts]
-
-
-class PrefaultedHostMemory:
-    """Zeroed host memory for the KV pool, faulted in by a background thread while the weights
-    load, then carved into the pool's tensors.
-
-    Writing zeros over the 2 GiB default pool is page faults, ~0.8 s of start-up; here they
-    overlap the weight loading. The pool is as resident once carved as a torch.zeros one (so
-    memory reports and an early out-of-memory are unchanged). Each tensor is its own storage
-    over one anonymous mapping (torch.frombuffer), which lives until the last of them is freed.
-    """
-
-    MIN_USED_FRACTION = 0.9
-    """Carve only a pool of at least this share of the memory (else allocate it apart: the rest
-    would stay resident unused)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._mapping: mmap.mmap | None = mmap.mmap(
-            -1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._thread = threading.Thread(target=self._fault_in, name="kv-pool-prefault",
-                                        daemon=True)
-        self._thread.start()
-
-    def _fault_in(self) -> None:
-        torch.frombuffer(self._mapping, dtype=torch.uint8).zero_()  # zeros over zeros
-
-    def carve(self, layouts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
-        """Tensors of these (shape, dtype), zeroed, in order; None if they do not fit (or would
-        leave too much unused). Once called, the memory is the tensors' or freed."""
-        self._thread.join()
-        mapping, self._mapping = self._mapping, None
-        sizes = [_numel(shape) * _element_size(dtype) for shape, dtype in layouts]
-        offsets, end = [], 0
-        for size in sizes:
-            offsets.append(end)
-            end += -(-size // ALIGNMENT) * ALIGNMENT
-        if mapping is None or end > self.nbytes or end < self.MIN_USED_FRACTION * self.nbytes:
-            if mapping is not None:
-                mapping.close()
-            return None
-        return [torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=offset)
-                .view(dtype).view(shape)
-                for (shape, dtype), size, offset in zip(layouts, sizes, offsets)]
-
-
-ALIGNMENT = 64
-"""Byte alignment of each carved tensor (a cache line, as the kernels' vector loads like)."""
+    def allocate(self, num_blocks: int, device: torch.device | str) -> list[KVCache]:
+        """One KVCache per layer, zeroed."""
+        return [
+            tuple(torch.zeros(shape, dtype=dtype, device=device)
+                  for shape, dtype in zip(self.shapes(num_blocks), self.dtypes()))
+            for _ in range(self.num_layers)
+        ]
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):

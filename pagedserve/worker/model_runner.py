@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.attention import forward_context
 from pagedserve.attention.layer import Attention
-from pagedserve.attention.kv_cache import KVCache, KVCacheSpec, PrefaultedHostMemory
+from pagedserve.attention.kv_cache import KVCache, KVCacheSpec
 from pagedserve.attention.metadata import build_attention_metadata
 from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
 from pagedserve.core.outputs import (
@@ -107,12 +107,10 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         return self.kv_cache_spec.bytes_per_block
 
-    def initialize_kv_cache(self, num_blocks: int,
-                            host_memory: PrefaultedHostMemory | None = None) -> None:
-        """Allocate this rank's share of the paged KV cache (and the draft's, if any); from
-        host_memory where it holds the pool."""
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate this rank's share of the paged KV cache (and the draft's, if any)."""
         self.num_kv_blocks = num_blocks
-        self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device, host_memory)
+        self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device)
         if self.speculative_config is not None:
             self.proposer = create_proposer(self.speculative_config, TargetInfo(
                 self.model, self.model_config, num_blocks, self.block_size, self.dtype,

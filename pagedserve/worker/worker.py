@@ -18,7 +18,6 @@ import sys
 
 import torch
 
-from pagedserve.attention.kv_cache import PrefaultedHostMemory
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed import parallel_state
@@ -32,10 +31,6 @@ from pagedserve.worker.model_runner import DTYPES, ModelRunner
 from pagedserve.worker.profiler import StepProfiler, step_range
 
 logger = logging.getLogger(__name__)
-
-
-KV_HOST_MEMORY_SLACK_BYTES = 1 << 20
-"""Prefaulted beyond the KV byte budget: the carved tensors' alignment padding."""
 
 
 class Worker:
@@ -56,8 +51,6 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.model = model
         self.model_runner: ModelRunner | None = None
-        self._kv_host_memory: PrefaultedHostMemory | None = None
-        """The KV pool's memory, faulting in while the weights load (CPU; initialize_kv_cache)."""
         self.device = torch.device(config.device.device)
         self.model_path = config.model_path
         """The weights' file: update_weights changes it, a level-2 wake_up reloads from it."""
@@ -112,12 +105,6 @@ class Worker:
     def load_model(self) -> None:
         config = self.config
         if self.model is None:
-            cache = config.cache
-            if self.device.type == "cpu" and cache.num_gpu_blocks_override is None:
-                # The pool's memory faults in beside the weight loading (initialize_kv_cache
-                # carves it); its size is the byte budget, known before the model is.
-                self._kv_host_memory = PrefaultedHostMemory(cache.kv_cache_memory_bytes
-                                                            + KV_HOST_MEMORY_SLACK_BYTES)
             with startup_phase("weights") as phase:
                 self.model = self._load_weights(self.model_path)
                 # Loading leaves tens of MB of freed temporaries (dequantized shards) in glibc's
@@ -180,9 +167,8 @@ class Worker:
         return cpu_ops.KernelConfig(device.cpu_kernels, device.fused_decoder_layers)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        host_memory, self._kv_host_memory = self._kv_host_memory, None
         with cpu_ops.building_with(self._kernel_config()):  # a separate draft model loads here
-            self.model_runner.initialize_kv_cache(num_blocks, host_memory)
+            self.model_runner.initialize_kv_cache(num_blocks)
         self._mark_ready_for_memory_report()
         if self.config.kv_transfer is not None:
             from pagedserve.kv_transfer.tiered import open_stores, parse_tiers
