@@ -22,9 +22,10 @@ def _shared_model(model_path: str, dtype: str, keep_packed: bool, quantize: str 
     return _MODELS[key]
 
 
-def shared_weights_llm(model_path: str, tokenizer, **overrides):
+def shared_weights_llm(model_path: str, loaded_tokenizer, /, **overrides):
     """An LLM over the session's shared weights (fp32 and a 512 MiB pool unless overridden);
-    the caller checks it idle and shuts it down (make_llm does)."""
+    the caller checks it idle and shuts it down (make_llm does). Engine arguments may include
+    `tokenizer` (EngineArgs' path), hence the positional-only parameters."""
     from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.llm_engine import LLMEngine
@@ -36,4 +37,4 @@ def shared_weights_llm(model_path: str, tokenizer, **overrides):
     model = _shared_model(
         model_path, device.dtype, device.keeps_weights_packed, device.quantize_on_load
     )
-    return LLM.from_engine(LLMEngine(config, tokenizer=tokenizer, model=model))
+    return LLM.from_engine(LLMEngine(config, tokenizer=loaded_tokenizer, model=model))
