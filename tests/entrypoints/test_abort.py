@@ -32,6 +32,16 @@ def num_aborted(server) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def wait_for_aborts(server, aborted_before: float, expected: int) -> None:
+    """Poll /metrics until `expected` more requests ended "abort" (the server notices a client
+    that hung up on its own time; a hang guard bounds the wait)."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while num_aborted(server) - aborted_before < expected:
+        assert time.monotonic() < deadline, "the abort was never counted"
+        time.sleep(0.02)
+    assert num_aborted(server) - aborted_before == expected
+
+
 def metric(text: str, name: str) -> float:
     match = re.search(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
@@ -114,7 +124,9 @@ def test_request_id_reusable_after_abort(server):
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             assert response.status_code == 200
             next(response.iter_lines())  # one event, then hang up
+        # The first event may leave before the request reaches the engine: wait for its abort,
+        # not for an engine that may not have seen it yet.
+        wait_for_aborts(server, aborted_before, 1)
         server.wait_until_idle(timeout=IDLE_TIMEOUT_S)
-        assert num_aborted(server) - aborted_before == 1
         result = http.post("/v1/completions", json={**body, "max_tokens": 2})
     assert result.status_code == 200 and result.json()["id"] == "reused"
