@@ -30,12 +30,12 @@ from pagedserve.layers.linear import VocabEmbedding
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.llama import (
-    IntermediateTensors,
     LayerOnAnotherStage,
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
     MLPFactory,
+    StagedDecoder,
     layer_range,
 )
 
@@ -101,7 +101,7 @@ class Gemma3DecoderLayer(nn.Module):
         return mlp_out, residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(StagedDecoder):
     """LlamaModel's stage layout (layer_range, placeholders for other stages' layers)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
@@ -142,27 +142,8 @@ class Gemma3Model(nn.Module):
         self.fused_decoder_layers = False
         """The compiled decoder stack implements Llama's block only (read by the profiler)."""
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None, num_layers: int | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        """See LlamaForCausalLM.forward."""
-        end_layer = self.end_layer
-        if num_layers is not None:
-            assert self.is_first_stage and self.is_last_stage, "a self-draft runs in one stage"
-            end_layer = min(num_layers, end_layer)
-        if self.is_first_stage:
-            assert intermediate_tensors is None, "the first stage embeds; pass num_layers="
-            hidden_states, residual = self.embed_tokens(input_ids) * self.embed_scale, None
-        else:
-            hidden_states = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-        for layer in self.layers[self.start_layer : end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if not self.is_last_stage:
-            return {"hidden_states": hidden_states.contiguous(), "residual": residual.contiguous()}
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

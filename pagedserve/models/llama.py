@@ -170,7 +170,47 @@ class LayerOnAnotherStage(nn.Module):
     checkpoint names need no renumbering) without parameters. Never run."""
 
 
-class LlamaModel(nn.Module):
+class StagedDecoder(nn.Module):
+    """The forward pass of a decoder split into pipeline stages: the first stage embeds (or a
+    family's fused path takes the whole step), each stage runs its layers, the last one the
+    final norm while the others hand their hidden states on. Subclasses hold the attributes
+    (is_first_stage, is_last_stage, start_layer, end_layer, embed_tokens, layers, norm)."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def run_fused(self, hidden_states: torch.Tensor, positions: torch.Tensor, end_layer: int,
+                  num_tokens: int) -> torch.Tensor | None:
+        """The whole step's normed output by a fused path, or None where none applies."""
+        return None
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None, num_layers: int | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """See LlamaForCausalLM.forward."""
+        end_layer = self.end_layer
+        if num_layers is not None:
+            assert self.is_first_stage and self.is_last_stage, "a self-draft runs in one stage"
+            end_layer = min(num_layers, end_layer)
+        if self.is_first_stage:
+            assert intermediate_tensors is None, "the first stage embeds; pass num_layers="
+            hidden_states, residual = self.embed(input_ids), None
+            fused = self.run_fused(hidden_states, positions, end_layer, input_ids.shape[0])
+            if fused is not None:
+                return fused
+        else:
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer : end_layer]:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.is_last_stage:
+            return {"hidden_states": hidden_states.contiguous(), "residual": residual.contiguous()}
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaModel(StagedDecoder):
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  make_mlp: MLPFactory | None = None) -> None:
         super().__init__()
@@ -227,38 +267,21 @@ class LlamaModel(nn.Module):
                 self._stack_max_tokens = stack_max_tokens(self)
         return self._stack
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None, num_layers: int | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        """See LlamaForCausalLM.forward."""
-        end_layer = self.end_layer
-        if num_layers is not None:
-            assert self.is_first_stage and self.is_last_stage, "a self-draft runs in one stage"
-            end_layer = min(num_layers, end_layer)
-        if self.is_first_stage:
-            assert intermediate_tensors is None, "the first stage embeds; pass num_layers="
-            hidden_states, residual = self.embed_tokens(input_ids), None
-            stack = self._decoder_stack() if self.fused_decoder_layers else None
-            lora_step = get_lora_step()
-            # The stack runs LoRA in its masked form only (lora/worker_manager.py picks it for
-            # steps of at most FUSED_MAX_TOKENS tokens, or mixing adapters).
-            meta = get_forward_context() if stack is not None else None
-            if (stack is not None and input_ids.shape[0] <= self._stack_max_tokens
-                    and (lora_step is None or lora_step.token_slots is not None)
-                    and (self._smallest_window is None
-                         or max(meta.seq_lens) <= self._smallest_window)):
-                return run_decoder_stack(stack, hidden_states, positions, meta, end_layer,
-                                         lora_step)
-        else:
-            hidden_states = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-        for layer in self.layers[self.start_layer : end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if not self.is_last_stage:
-            return {"hidden_states": hidden_states.contiguous(), "residual": residual.contiguous()}
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    def run_fused(self, hidden_states: torch.Tensor, positions: torch.Tensor, end_layer: int,
+                  num_tokens: int) -> torch.Tensor | None:
+        """The compiled decoder stack's output where it serves the step (models/decoder_stack.py)."""
+        stack = self._decoder_stack() if self.fused_decoder_layers else None
+        if stack is None or num_tokens > self._stack_max_tokens:
+            return None
+        lora_step = get_lora_step()
+        # The stack runs LoRA in its masked form only (lora/worker_manager.py picks it for
+        # steps of at most FUSED_MAX_TOKENS tokens, or mixing adapters).
+        if lora_step is not None and lora_step.token_slots is None:
+            return None
+        meta = get_forward_context()
+        if self._smallest_window is not None and max(meta.seq_lens) > self._smallest_window:
+            return None
+        return run_decoder_stack(stack, hidden_states, positions, meta, end_layer, lora_step)
 
 
 class LlamaForCausalLM(nn.Module):

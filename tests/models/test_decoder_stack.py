@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-import pagedserve.models.llama as llama_module
 from pagedserve.kernels import cpu_ops
 from pagedserve.models.decoder_stack import FUSED_MAX_TOKENS
 from pagedserve.sampling_params import SamplingParams
@@ -39,16 +38,6 @@ def _modules_only(llm, monkeypatch) -> None:
     model = llm.engine.executor.worker.model_runner.model.model  # the LlamaModel
     assert model.fused_decoder_layers
     monkeypatch.setattr(model, "fused_decoder_layers", False)
-
-
-@pytest.fixture
-def stack_calls(monkeypatch) -> list[int]:
-    """The number of tokens of every step the decoder stack runs."""
-    calls = []
-    real_run = llama_module.run_decoder_stack
-    monkeypatch.setattr(llama_module, "run_decoder_stack",
-                        lambda *args: calls.append(args[1].shape[0]) or real_run(*args))
-    return calls
 
 
 @pytest.mark.parametrize("num_prompts", [1, 4])

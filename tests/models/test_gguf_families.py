@@ -11,13 +11,12 @@ attn_k_norm) keeps them on the modules.
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
-import pagedserve.models.llama as llama_module
 from pagedserve.kernels import cpu_ops
 from pagedserve.sampling_params import SamplingParams
+from tests.models.gguf_writing import add_shape_metadata, q8_0_round_trip
 from tests.models.test_tiny_parity import CONFIGS, PROMPTS, VOCAB
 
 transformers = pytest.importorskip("transformers")
@@ -25,12 +24,8 @@ transformers = pytest.importorskip("transformers")
 GGUF_ARCHITECTURES = {"qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3}
 NUM_NEW_TOKENS = 8
 PHI3_SLIDING_WINDOW = 2047
-
-
-def _quantize_q8_0(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(Q8_0 bytes for the file, the values they dequantize to)."""
-    codes = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
-    return codes, gguf.quants.dequantize(codes, gguf.GGMLQuantizationType.Q8_0)
+"""As llama.cpp writes Phi-3 mini-4k's: wider than these prompts, so the decoder stack serves
+(the tiny parity tests cover a window shorter than the prompts)."""
 
 
 def _byte_alphabet() -> list[str]:
@@ -44,19 +39,13 @@ def _write_gguf(path, architecture: str, hf_model) -> None:
     file holds, so both sides compute with the same numbers."""
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
+    add_shape_metadata(writer, config)
     writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    if architecture == "phi3":  # as llama.cpp writes Phi-3 mini-4k's: wider than these prompts
-        writer.add_sliding_window(PHI3_SLIDING_WINDOW)
+    if architecture == "phi3":
+        writer.add_sliding_window(config.sliding_window)
     # A byte-level vocabulary of VOCAB ids (the prompts are token ids; the text is never used).
     tokens = _byte_alphabet() + [f"<t{i}>" for i in range(VOCAB - 256)]
     writer.add_tokenizer_model("gpt2")
@@ -75,7 +64,7 @@ def _write_gguf(path, architecture: str, hf_model) -> None:
             assert gguf_name is not None, hf_name
             weight = tensor.numpy()
             if weight.ndim == 2:
-                codes, dequantized = _quantize_q8_0(weight)
+                codes, dequantized = q8_0_round_trip(weight)
                 writer.add_tensor(gguf_name, codes, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
                 hf_model.get_parameter(hf_name).copy_(torch.from_numpy(dequantized))
             else:
@@ -86,23 +75,15 @@ def _write_gguf(path, architecture: str, hf_model) -> None:
     writer.close()
 
 
-@pytest.fixture
-def stack_calls(monkeypatch) -> list[int]:
-    """The number of tokens of every step the compiled decoder stack runs."""
-    calls = []
-    real_run = llama_module.run_decoder_stack
-    monkeypatch.setattr(llama_module, "run_decoder_stack",
-                        lambda *args: calls.append(args[1].shape[0]) or real_run(*args))
-    return calls
-
-
 @pytest.mark.parametrize("architecture", sorted(GGUF_ARCHITECTURES))
 def test_gguf_greedy_matches_transformers(tmp_path, architecture, stack_calls):
     from pagedserve.engine.llm import LLM
 
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(
-        CONFIGS[architecture](), dtype=torch.float32).eval()
+    config = CONFIGS[architecture]()
+    if architecture == "phi3":
+        config.sliding_window = PHI3_SLIDING_WINDOW
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # norms start at ones: spread them, so a swapped one shows
         for name, param in hf_model.named_parameters():
             if "norm" in name:
@@ -114,7 +95,7 @@ def test_gguf_greedy_matches_transformers(tmp_path, architecture, stack_calls):
               max_num_seqs=8)
     model = llm.engine.executor.worker.model_runner.model
     assert model.config.architecture == architecture
-    assert model.config.sliding_window == (PHI3_SLIDING_WINDOW if architecture == "phi3" else None)
+    assert model.config.sliding_window == getattr(hf_model.config, "sliding_window", None)
     layer = model.model.layers[0]
     assert layer.mlp.gate_up_proj.weight is None  # fp32 runs on the Q8_0 codes alone
     assert (layer.self_attn.q_norm is not None) == (architecture == "qwen3")

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve.sampling_params import SamplingParams
+from tests.models.gguf_writing import add_shape_metadata, q8_0_round_trip
 
 transformers = pytest.importorskip("transformers")
 
@@ -220,14 +221,6 @@ _GGUF_BLOCK_NAMES = {
 }
 
 
-def _q8_0_round_trip(weight: torch.Tensor):
-    """(codes, the values they dequantize to): the expert tensors are stored Q8_0."""
-    gguf = pytest.importorskip("gguf")
-    codes = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
-    values = gguf.quants.dequantize(codes, gguf.GGMLQuantizationType.Q8_0)
-    return codes, torch.from_numpy(values.copy()).reshape(weight.shape)
-
-
 def write_moe_gguf(path, architecture: str, hf_model) -> dict[str, torch.Tensor]:
     """`hf_model` (transformers' names and stacked experts) as llama.cpp writes it: q/k rows
     permuted for "llama", the stacked experts Q8_0. Returns the weights it holds, dequantized,
@@ -237,13 +230,7 @@ def write_moe_gguf(path, architecture: str, hf_model) -> dict[str, torch.Tensor]
     config = hf_model.config
     gguf_arch = GGUF_ARCHITECTURES[architecture]
     writer = gguf.GGUFWriter(str(path), gguf_arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    add_shape_metadata(writer, config)
     writer.add_vocab_size(config.vocab_size)
     writer.add_expert_used_count(config.num_experts_per_tok)
     if architecture == "mixtral":
@@ -278,10 +265,10 @@ def write_moe_gguf(path, architecture: str, hf_model) -> dict[str, torch.Tensor]
                       else {"ffn_down_exps": weight})
             values = []
             for gguf_module, half in halves.items():
-                codes, dequantized = _q8_0_round_trip(half.contiguous())
+                codes, dequantized = q8_0_round_trip(half.contiguous().numpy())
                 writer.add_tensor(f"blk.{layer}.{gguf_module}.weight", codes,
                                   raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-                values.append(dequantized)
+                values.append(torch.from_numpy(dequantized.copy()))
             reference[name] = torch.cat(values, dim=1)
             continue
         reference[name] = weight

@@ -1,0 +1,25 @@
+"""Writing tiny GGUF files from transformers models, as llama.cpp's converter lays them out: the
+shape metadata every architecture has, and Q8_0 matrices with the values they dequantize to
+(the reference model is given those, so both sides compute with the same numbers)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+
+def add_shape_metadata(writer: gguf.GGUFWriter, hf_config) -> None:
+    """Context length, widths, layer and head counts, norm epsilon and RoPE base."""
+    writer.add_context_length(hf_config.max_position_embeddings)
+    writer.add_embedding_length(hf_config.hidden_size)
+    writer.add_block_count(hf_config.num_hidden_layers)
+    writer.add_head_count(hf_config.num_attention_heads)
+    writer.add_head_count_kv(hf_config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(hf_config.rms_norm_eps)
+    writer.add_rope_freq_base(hf_config.rope_parameters["rope_theta"])
+
+
+def q8_0_round_trip(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the Q8_0 bytes for the file, the values they dequantize to, in weight's shape)."""
+    codes = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
+    return codes, gguf.quants.dequantize(codes, gguf.GGMLQuantizationType.Q8_0).reshape(weight.shape)
