@@ -76,9 +76,9 @@ _ARCHITECTURE_BLOCK_TENSOR_NAMES = {
 _BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _CHAT_TURN_END_TOKENS = ("<|im_end|>", "<end_of_turn>")
 """Tokens that end a chat turn (ChatML's, Gemma's); each is an EOS where the template uses it."""
-_GEMMA3_SWA_PATTERN = 6
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
 """Gemma 3: every 6th layer is global, the others windowed (llama.cpp fixes it too; the GGUF
-stores no pattern)."""
+stores no pattern; an HF config that names neither layer_types nor a pattern means it too)."""
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
 """Gemma 3's windowed layers' RoPE base (rope_local_base_freq; not in the GGUF either)."""
 PROGRESS_MIN_BYTES = 200 * 2**20
@@ -226,7 +226,8 @@ def _gemma3_fields(arch_field) -> dict:
     query_pre_attn_scalar = (arch_field("embedding_length") // arch_field("attention.head_count")
                              if num_layers == 62 else head_dim)
     return dict(
-        sliding_window_layers=tuple((i + 1) % _GEMMA3_SWA_PATTERN != 0 for i in range(num_layers)),
+        sliding_window_layers=tuple((i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN != 0
+                                    for i in range(num_layers)),
         rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA,
         query_pre_attn_scalar=query_pre_attn_scalar,
         final_logit_softcapping=arch_field("final_logit_softcapping"),

@@ -23,7 +23,11 @@ from pagedserve.kernels import cpu_ops
 from pagedserve.kernels.cpu_ops import KernelConfig
 from pagedserve.layers.quantized import GGUFQuantWeight
 from pagedserve.models import HF_ARCHITECTURES, get_model_class, unsupported_architecture
-from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
+from pagedserve.models.gguf_loader import (
+    GEMMA3_SLIDING_WINDOW_PATTERN,
+    iter_gguf_weights,
+    load_gguf_config,
+)
 from pagedserve.observability.startup import startup_phase
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -257,7 +261,8 @@ def _gemma3_hf_fields(hf_config: dict, local_rope_parameters: dict, path: str) -
         raise ValueError(f"unsupported Gemma 3 settings in {path}: {', '.join(found)}")
     num_layers = hf_config["num_hidden_layers"]
     # transformers 4 configs may give only the pattern: every pattern-th layer is global.
-    pattern = hf_config.get("sliding_window_pattern") or hf_config.get("_sliding_window_pattern", 6)
+    pattern = hf_config.get("sliding_window_pattern") or hf_config.get(
+        "_sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
     layer_types = hf_config.get("layer_types") or [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
         for i in range(num_layers)
