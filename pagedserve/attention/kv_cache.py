@@ -11,11 +11,14 @@ what its block already holds. The entry describes itself (2 tensors or 4), so on
 serves caches of either kind: a self-draft runs the target's layers on its compute-dtype cache.
 
 Zeroed, not empty: masked positions still pass through softmax @ V, and a NaN there would poison
-the row (0 * NaN = NaN); zero codes with zero scales dequantize to 0.
+the row (0 * NaN = NaN); zero codes with zero scales dequantize to 0. On the CPU the zeros cost
+nothing up front: the tensors live in private anonymous mappings, which the kernel fills with zero
+pages as they are first touched (see `lazily_zeroed`).
 """
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -87,12 +90,30 @@ class KVCacheSpec:
         return self.num_layers * per_layer
 
     def allocate(self, num_blocks: int, device: torch.device | str) -> list[KVCache]:
-        """One KVCache per layer, zeroed."""
+        """One KVCache per layer, zeroed (on the CPU, lazily: see lazily_zeroed)."""
+        zeroed = lazily_zeroed if torch.device(device).type == "cpu" else torch.zeros
         return [
-            tuple(torch.zeros(shape, dtype=dtype, device=device)
+            tuple(zeroed(shape, dtype=dtype, device=device)
                   for shape, dtype in zip(self.shapes(num_blocks), self.dtypes()))
             for _ in range(self.num_layers)
         ]
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory is committed page by page as it is first written.
+
+    It lives in a private anonymous mapping: the kernel backs every page with zeros on first
+    touch (guaranteed, unlike torch.empty, whose memory may be reused from the allocator's
+    heap). torch.zeros would write every byte at once: ~0.75 s at start-up for the default
+    2 GiB pool, most of which a server touches only under load. The memory report counts the
+    pool's resident pages (observability/memory.py). The tensor keeps the mapping alive; the
+    mapping is unmapped when the last tensor viewing it is freed."""
+    assert device is None or torch.device(device).type == "cpu", device
+    nbytes = _numel(shape) * _element_size(dtype)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):

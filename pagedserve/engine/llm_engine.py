@@ -592,6 +592,7 @@ class LLMEngine:
             "num_blocks": pool.num_blocks, "block_size": self.config.cache.block_size,
             "bytes_per_block": bytes_per_block,
             "bytes_per_token": bytes_per_block // self.config.cache.block_size,
+            "resident_bytes": breakdown["resident_bytes"].get("kv_pool"),
             "used_blocks": pool.num_usable_blocks - num_free,
             "cached_free_blocks": num_cached_free, "free_blocks": num_free - num_cached_free}
         breakdown["grammar_cache"] = {

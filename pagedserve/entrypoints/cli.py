@@ -119,76 +119,97 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="pagedserve", description=__doc__.splitlines()[0],
-                                allow_abbrev=False)
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_generate(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--prompt", action="append", required=True, help="repeatable")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn")
+    _add_sampling_args(parser, max_tokens=64)
+    parser.set_defaults(func=cmd_generate)
 
-    generate = commands.add_parser("generate", help="complete prompts and print the results")
-    EngineArgs.add_cli_args(generate)
-    generate.add_argument("--prompt", action="append", required=True, help="repeatable")
-    generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn")
-    _add_sampling_args(generate, max_tokens=64)
-    generate.set_defaults(func=cmd_generate)
 
-    chat = commands.add_parser("chat", help="interactive chat that streams the reply")
-    EngineArgs.add_cli_args(chat)
-    chat.add_argument("--system", default=None, help="system prompt")
-    _add_sampling_args(chat, max_tokens=512)
-    chat.set_defaults(func=cmd_chat)
+def _add_chat(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(parser, max_tokens=512)
+    parser.set_defaults(func=cmd_chat)
 
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
-                                allow_abbrev=False)
+
+def _add_serve(parser: argparse.ArgumentParser) -> None:
     from pagedserve.entrypoints.openai import api_server
 
-    api_server.add_cli_args(serve)
-    serve.set_defaults(func=api_server.run_server)
+    api_server.add_cli_args(parser)
+    parser.set_defaults(func=api_server.run_server)
 
-    run_batch = commands.add_parser(
-        "run-batch", help="run an OpenAI batch file (JSONL) through the engine, no server")
-    from pagedserve.entrypoints import run_batch as run_batch_module
 
-    run_batch_module.add_cli_args(run_batch)
-    run_batch.set_defaults(func=run_batch_module.main)
+def _add_run_batch(parser: argparse.ArgumentParser) -> None:
+    from pagedserve.entrypoints import run_batch
 
-    router = commands.add_parser("router", help="route OpenAI API requests across servers")
+    run_batch.add_cli_args(parser)
+    parser.set_defaults(func=run_batch.main)
+
+
+def _add_router(parser: argparse.ArgumentParser) -> None:
     from pagedserve.router import cli as router_cli
 
-    router_cli.add_cli_args(router)
-    router.set_defaults(func=router_cli.run_router)
+    router_cli.add_cli_args(parser)
+    parser.set_defaults(func=router_cli.run_router)
 
-    bench = commands.add_parser("bench", help="benchmarks")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+
+def _add_bench(parser: argparse.ArgumentParser) -> None:
+    from pagedserve.benchmarks import collectives, throughput
+    from pagedserve.benchmarks import lora as lora_bench
+    from pagedserve.benchmarks import serve as serve_bench
+
+    bench_commands = parser.add_subparsers(dest="bench_command", required=True)
     throughput_parser = bench_commands.add_parser("throughput", help="offline throughput")
-    from pagedserve.benchmarks import throughput
-
     throughput.add_cli_args(throughput_parser)
     throughput_parser.set_defaults(func=cmd_bench_throughput)
     serve_bench_parser = bench_commands.add_parser(
         "serve", help="load any OpenAI-compatible server and measure TTFT, ITL, throughput"
     )
-    from pagedserve.benchmarks import serve as serve_bench
-
     serve_bench.add_cli_args(serve_bench_parser)
     serve_bench_parser.set_defaults(func=cmd_bench_serve)
     lora_parser = bench_commands.add_parser(
         "lora", help="throughput with 0, 1, 4, 8 LoRA adapters against no LoRA; load latency")
-    from pagedserve.benchmarks import lora as lora_bench
-
     lora_bench.add_cli_args(lora_parser)
     lora_parser.set_defaults(func=lambda args: lora_bench.main(args) or 0)
     collectives_parser = bench_commands.add_parser(
         "collectives", help="time torch.distributed all-reduce and send/recv between processes"
     )
-    from pagedserve.benchmarks import collectives
-
     collectives.add_cli_args(collectives_parser)
     collectives_parser.set_defaults(func=collectives.main)
+
+
+COMMANDS = {
+    "generate": ("complete prompts and print the results", _add_generate),
+    "chat": ("interactive chat that streams the reply", _add_chat),
+    "serve": ("serve the OpenAI-compatible HTTP API", _add_serve),
+    "run-batch": ("run an OpenAI batch file (JSONL) through the engine, no server",
+                  _add_run_batch),
+    "router": ("route OpenAI API requests across servers", _add_router),
+    "bench": ("benchmarks", _add_bench),
+}
+"""command -> (help, the function that adds its arguments)."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (command given) only that command's arguments: the others'
+    modules (the router, the benchmarks) are then not imported, which `serve` would otherwise
+    pay for at every start."""
+    parser = OneLineErrorParser(prog="pagedserve", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_arguments) in COMMANDS.items():
+        subparser = commands.add_parser(name, help=help_text, allow_abbrev=False)
+        if command is None or command == name:
+            add_arguments(subparser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args_or_exit(build_parser(), argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = parse_args_or_exit(build_parser(command), argv)
     try:
         return args.func(args)
     except (ValueError, ExecutorError) as error:  # bad input, or workers that did not start

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from glob import glob
 from importlib.util import find_spec
@@ -309,6 +310,20 @@ def _as_list(value) -> list:
     return [] if value is None else value if isinstance(value, list) else [value]
 
 
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build parameters in the compute dtype: dequantized weights are copied (rounded) into
+    them once, instead of into fp32 ones that model.to(dtype) would convert afterwards (half
+    the bytes written at load). Process-wide while it lasts, as vLLM's set_default_torch_dtype:
+    only a model's construction runs inside it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def load_model(
     model_path: str,
     model_config: ModelConfig,
@@ -327,7 +342,7 @@ def load_model(
     if torch.device(device).type != "cpu":
         kernel_config = replace(kernel_config, cpu_kernels=False)
     with cpu_ops.building_with(kernel_config):  # the layers and packed weights take it once
-        with torch.device(device):
+        with torch.device(device), default_dtype(dtype):
             model = get_model_class(model_config.architecture)(model_config, dtype)
         model.load_weights(
             iter_model_weights(model_path, dtype, keep_packed and not quantize_on_load))

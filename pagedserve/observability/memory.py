@@ -5,8 +5,9 @@ scales: integer tensors) and dense (floating-point), the KV pool, the draft mode
 KV, LoRA slots and host copies. What has no tensor is measured as the growth of the process's
 resident set (RSS) around it: the tokenizer while it loads, and the runtime peak (activations,
 kernel workspaces, allocator caches) as the peak RSS since the KV pool was allocated, over the
-RSS then (Linux's VmHWM, reset through /proc/self/clear_refs). `unattributed` is what the RSS
-grew by that no part explains.
+RSS then (Linux's VmHWM, reset through /proc/self/clear_refs). The CPU KV pool is mapped lazily:
+`components` give its size, `resident_bytes` the part of it in memory, which is what the RSS
+holds. `unattributed` is what the RSS grew by that no part explains.
 
 The capacity report answers the founding document's question for this model and pool: how many
 requests of context L fit at once.
@@ -14,8 +15,11 @@ requests of context L fit at once.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -85,22 +89,68 @@ def model_bytes(model) -> dict[str, int]:
     return parts
 
 
-def tensors_bytes(tensors) -> int:
-    """Bytes of distinct storages among `tensors` (nested tuples and lists are walked)."""
-    import torch
+def resident_bytes(tensors) -> int | None:
+    """Bytes of the pages of `tensors`' distinct CPU storages that are in memory now (Linux's
+    mincore; None elsewhere). The KV pool is mapped lazily (attention/kv_cache.py): its
+    untouched pages take no memory, so the RSS holds only this part of it."""
+    import numpy as np
 
+    libc = _libc()
+    if libc is None:
+        return None
+    page = mmap.PAGESIZE
     seen: set[int] = set()
     total = 0
+    for tensor in _walk_tensors(tensors):
+        storage = tensor.untyped_storage()
+        if tensor.device.type != "cpu" or storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        start = storage.data_ptr() // page * page
+        length = storage.data_ptr() + storage.nbytes() - start
+        pages = -(-length // page)
+        vector = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vector) != 0:
+            return None
+        # Bit 0 of each page's byte: resident; the other bits are reserved.
+        resident_pages = int((np.frombuffer(vector, dtype=np.uint8) & 1).sum())
+        total += min(storage.nbytes(), resident_pages * page)
+    return total
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+def _walk_tensors(tensors):
+    """The tensors in `tensors`, nested tuples and lists walked."""
+    import torch
+
     stack = list(tensors)
     while stack:
         item = stack.pop()
         if isinstance(item, (list, tuple)):
             stack.extend(item)
         elif isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
+            yield item
+
+
+def tensors_bytes(tensors) -> int:
+    """Bytes of distinct storages among `tensors` (nested tuples and lists are walked)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in _walk_tensors(tensors):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
 
 
@@ -134,17 +184,29 @@ def combine_breakdown(rss_at_start: int | None, tokenizer_bytes: int,
     process = {"pid": os.getpid(), "rss_bytes": rss, "rss_at_start_bytes": rss_at_start,
                "rss_growth_bytes": (rss - rss_at_start
                                     if rss is not None and rss_at_start is not None else None)}
+    resident: dict[str, int | None] = {}
+    for report in rank_reports:
+        for name, value in report["resident_bytes"].items():
+            known = resident.get(name, 0)
+            resident[name] = None if value is None or known is None else known + value
     attributed = sum(value for value in components.values() if value)
     # The parts held by worker processes are not in this process's RSS: compare like with like.
+    # Lazily mapped KV counts by its resident pages (None, not Linux: by its size).
     local = sum(components.get(name, 0) for name in ("tokenizer", *engine_parts))
-    local += sum(v for r in in_process for v in r["components"].values())
+    for report in in_process:
+        parts = dict(report["components"])
+        parts.update((name, value) for name, value in report["resident_bytes"].items()
+                     if value is not None)
+        local += sum(parts.values())
     growth = process["rss_growth_bytes"]
     return {
         "object": "memory.breakdown",
         "process": process,
         "components": components,
+        "resident_bytes": resident,
         "attributed_bytes": attributed,
         "unattributed_bytes": growth - local if growth is not None and not others else None,
         "workers": [{"rank": r["rank"], "pid": r["pid"], "rss_bytes": r["rss_bytes"],
-                     "components": r["components"]} for r in rank_reports],
+                     "components": r["components"], "resident_bytes": r["resident_bytes"]}
+                    for r in rank_reports],
     }

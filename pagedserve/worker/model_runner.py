@@ -28,7 +28,7 @@ from pagedserve.core.outputs import (
 from pagedserve.distributed import get_pp_group
 from pagedserve.kv_transfer.base import KVConnectorWorker
 from pagedserve.lora.worker_manager import WorkerLoRAManager
-from pagedserve.observability.memory import model_bytes, tensors_bytes
+from pagedserve.observability.memory import model_bytes, resident_bytes, tensors_bytes
 from pagedserve.sample.bitmask import apply_token_bitmask_
 from pagedserve.sample.rejection_sampler import RejectionSampler
 from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -133,6 +133,17 @@ class ModelRunner:
             parts["lora_slots"] = self.lora_manager.slot_bytes
             parts["lora_host"] = self.lora_manager.host_bytes
         return parts
+
+    def kv_resident_bytes(self) -> dict[str, int | None]:
+        """Of the KV tensors (this rank's pool, a draft's), the bytes in memory now: on the CPU
+        they are mapped lazily and fill as blocks are first written (attention/kv_cache.py); on
+        a GPU, all of them. None: unknown (not Linux)."""
+        if self.device.type != "cpu":
+            return {"kv_pool": tensors_bytes(self.kv_caches)}
+        resident = {"kv_pool": resident_bytes(self.kv_caches)}
+        if isinstance(self.proposer, DraftModelProposer):
+            resident["draft_kv"] = resident_bytes(self.proposer.kv.kv_caches)
+        return resident
 
     # ---- sleep mode and weight reload -------------------------------------------------------
 
