@@ -681,6 +681,116 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 }
 
 // ---------------------------------------------------------------------------------------------
+// Loading: GGUF codes into the layout above, and that layout back into dense rows (the dense
+// copy a bf16 layer keeps for large batches). The Python references are vnni_layout and
+// GGUFQuantWeight.dequantize (layers/quantized.py); tests/kernels compare them.
+
+// codes: [N, K] uint8, one code per byte (0..15, or Q8_0's codes + 128) -> the layout's code
+// bytes [block][group][chunk][16 columns][4 bytes], N padded to whole blocks with zero codes.
+torch::Tensor pack_codes(torch::Tensor codes, int64_t bits) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8, "codes: (N, K) uint8");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const torch::Tensor c = codes.contiguous();
+  const int64_t n = c.size(0), k = c.size(1);
+  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
+  const int64_t blocks = (n + 15) / 16, groups = k / kGroup;
+  const int64_t group_bytes = (bits == 4 ? 4 : 8) * 64;
+  torch::Tensor packed = torch::zeros({blocks * groups * group_bytes}, c.options());
+  const uint8_t* src = c.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int col = 0; col < 16 && b * 16 + col < n; ++col) {
+        const uint8_t* row = src + (b * 16 + col) * k;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* codes_g = row + g * kGroup;
+          uint8_t* out = dst + (b * groups + g) * group_bytes + col * 4;
+          if (bits == 4) {  // chunk i, byte e: element 4i + e low, 16 + 4i + e high
+            for (int i = 0; i < 4; ++i)
+              for (int e = 0; e < 4; ++e)
+                out[i * 64 + e] = (codes_g[4 * i + e] & 0x0F) | (codes_g[16 + 4 * i + e] << 4);
+          } else {  // chunk j, byte e: element 4j + e
+            for (int j = 0; j < 8; ++j)
+              for (int e = 0; e < 4; ++e) out[j * 64 + e] = codes_g[4 * j + e];
+          }
+        }
+      }
+  });
+  return packed;
+}
+
+template <int kBits, typename S, typename T>
+void dequantize_codes_impl(const uint8_t* codes, const S* scales, const S* mins, int64_t n,
+                           int64_t k, T* out) {
+  const int64_t groups = k / kGroup, blocks = (n + 15) / 16;
+  const int64_t group_bytes = (kBits == 4 ? 4 : 8) * 64;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int col = 0; col < 16 && b * 16 + col < n; ++col) {
+        T* row = out + (b * 16 + col) * k;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* cg = codes + (b * groups + g) * group_bytes + col * 4;
+          // The column's 4-byte lanes of each chunk, in element order (4-bit: element j in the
+          // low nibble of byte j, element 16 + j in its high nibble).
+          uint8_t bytes[kBits == 4 ? 16 : 32];
+          for (int chunk = 0; chunk < (kBits == 4 ? 4 : 8); ++chunk)
+            std::memcpy(bytes + chunk * 4, cg + chunk * 64, 4);
+          float values[kGroup];
+          if constexpr (kBits == 4) {
+            for (int j = 0; j < 16; ++j) {
+              values[j] = static_cast<float>(bytes[j] & 0x0F);
+              values[16 + j] = static_cast<float>(bytes[j] >> 4);
+            }
+          } else {
+            for (int j = 0; j < kGroup; ++j) values[j] = static_cast<float>(bytes[j]);
+          }
+          const float scale = scale_at(scales, (b * groups + g) * 16 + col);
+          const float minimum = scale_at(mins, (b * groups + g) * 16 + col);
+          // scale * code is exact (see the exact path above): one rounding, as in the reference.
+          T* dst = row + g * kGroup;
+          for (int e = 0; e < kGroup; ++e)
+            dst[e] = static_cast<T>(std::fma(scale, values[e], minimum));
+        }
+      }
+  });
+}
+
+// The layout's weights as dense rows written into out ([N, K] fp32 or bf16, contiguous; bf16
+// rounds once, to nearest even, as a copy from fp32 does).
+void dequantize_codes(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits,
+                      torch::Tensor out) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out: contiguous (N, K)");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
+              "weights must be contiguous");
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kHalf) &&
+                  mins.scalar_type() == scales.scalar_type(),
+              "scales and mins must both be fp32 or both fp16");
+  const int64_t n = out.size(0), k = out.size(1);
+  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
+  const int64_t blocks = (n + 15) / 16, groups = k / kGroup;
+  TORCH_CHECK(codes.numel() == blocks * groups * (bits == 4 ? 4 : 8) * 64, "codes do not match");
+  TORCH_CHECK(scales.numel() == blocks * groups * 16 && mins.numel() == blocks * groups * 16,
+              "scales / mins do not match");
+  const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  DISPATCH_FLOAT_OR_BF16(out.scalar_type(), "dequantize_codes", [&] {
+    auto run = [&](auto* s, auto* m) {
+      using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+      if (bits == 4) {
+        dequantize_codes_impl<4, S, scalar_t>(c, s, m, n, k, out.data_ptr<scalar_t>());
+      } else {
+        dequantize_codes_impl<8, S, scalar_t>(c, s, m, n, k, out.data_ptr<scalar_t>());
+      }
+    };
+    if (scales.scalar_type() == torch::kFloat32) {
+      run(scales.data_ptr<float>(), mins.data_ptr<float>());
+    } else {
+      run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // RMSNorm, optionally after the residual add: s = x + residual (stored in the compute dtype, as
 // the residual stream is); out = weight * round(s * rsqrt(mean(s^2) + eps)), statistics in fp32.
 
@@ -1612,6 +1722,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T: GGUF-form 4/8-bit weights; int16/int8 activations, or fp32 exactly (32)");
   m.def("exact_linear_vectorized", &exact_linear_vectorized,
         "whether quant_linear's fp32 path (activation_bits 32) is vectorized in this build");
+  m.def("pack_codes", &pack_codes, "GGUF codes (N, K), one per byte -> quant_linear's layout");
+  m.def("dequantize_codes", &dequantize_codes,
+        "quant_linear's layout -> dense (N, K) rows, written into out");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm after an optional residual add");
   m.def("rotary_inplace", &rotary_inplace, "rotary embedding on q and k in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

@@ -139,19 +139,20 @@ class Linear(nn.Module):
             if self.packed is not None:
                 self.weight = None
                 return
+        if dtype == torch.bfloat16 and quantize is None and complete:
+            merged = concat_rows([pending[shard_id] for shard_id in slices])
+            if merged is not None:  # None: mixed types, dense only
+                self.packed = packed_weight(merged, dtype)
+                if isinstance(self.packed, GroupQuantizedWeight):  # the dense copy in one pass
+                    self.packed.dequantize_into(self.weight.data)
+                    return
         for shard_id, weight in pending.items():
             slices[shard_id].copy_(weight.dequantize())
-        if dtype != torch.bfloat16:
-            return
-        if quantize is not None:
+        if dtype == torch.bfloat16 and quantize is not None:
             codes = quantize_weight(self.weight.data, quantize)
             if codes is not None:
                 self.packed = packed_weight(codes, dtype)
                 self.weight = None
-        elif complete:
-            merged = concat_rows([pending[shard_id] for shard_id in slices])
-            if merged is not None:  # None: mixed types, dense only
-                self.packed = packed_weight(merged, dtype)
 
 
 class MergedLinear(Linear):
@@ -345,23 +346,23 @@ class VocabEmbedding(nn.Module):
         tied head runs on the codes for every row count, exactly (see GroupQuantizedWeight); the
         table stays for the lookups."""
         pending = take_pending_quant(self.weight)
-        if pending:
-            _check_shape(pending[None], self.weight.shape)
-            self.weight.data.copy_(pending[None].dequantize())
-        if dtype == torch.float32 and quantize is None and pending and self.serves_as_head:
-            self.packed_head = packed_weight(pending[None], dtype)  # None: not vectorized here
-            self.dense_head_above_max_rows = False
-            return
-        if dtype != torch.bfloat16 or not self.serves_as_head:
-            return
-        if quantize is not None:
-            codes = quantize_weight(self.weight.data, quantize)
-            if codes is not None:
-                self.packed_head = packed_weight(codes, dtype)
+        codes = pending.get(None)
+        if codes is not None:
+            _check_shape(codes, self.weight.shape)
+        head_from_codes = codes is not None and self.serves_as_head and quantize is None
+        if head_from_codes and dtype in (torch.float32, torch.bfloat16):
+            self.packed_head = packed_weight(codes, dtype)  # fp32: None where not vectorized
+            self.dense_head_above_max_rows = dtype != torch.float32
+        if isinstance(self.packed_head, GroupQuantizedWeight) and dtype == torch.bfloat16:
+            self.packed_head.dequantize_into(self.weight.data)  # the table in one pass
+        elif codes is not None:
+            self.weight.data.copy_(codes.dequantize())
+        if dtype == torch.bfloat16 and self.serves_as_head and quantize is not None:
+            requantized = quantize_weight(self.weight.data, quantize)
+            if requantized is not None:
+                self.packed_head = packed_weight(requantized, dtype)
                 self.dense_head_above_max_rows = False
-        elif pending:
-            self.packed_head = packed_weight(pending[None], dtype)
-        if isinstance(self.packed_head, GroupQuantizedWeight):
+        if isinstance(self.packed_head, GroupQuantizedWeight) and dtype == torch.bfloat16:
             self.packed_head_max_rows = HEAD_PACKED_MAX_ROWS
 
 

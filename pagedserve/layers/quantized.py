@@ -200,12 +200,14 @@ exactly (the dense model's values, bit for bit) and multiplied in fp32 (see Grou
 """
 
 
-def vnni_layout(weight: GGUFQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def vnni_layout(weight: GGUFQuantWeight, ops=None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Codes, scales, mins and bits in the compiled kernel's layout (csrc/cpu_ops.cpp,
     quant_linear): 16 output columns per block, each 32-bit lane one column's 4 consecutive
     codes; scales and mins in fp16 where that is exact, else fp32. N is padded to a multiple of
     16 with zero columns. Q8_0 codes are stored + 128 as unsigned bytes with min = -128 * scale
-    (exact: the shift cancels in the kernel)."""
+    (exact: the shift cancels in the kernel). ops: the compiled kernels, which lay the codes out
+    in one pass (`pack_codes`); None: by torch's reshapes, the reference."""
     n, k = weight.shape
     groups, blocks = k // GROUP_SIZE, -(-n // 16)
     bits = 4 if weight.is_int4 else 8
@@ -215,17 +217,20 @@ def vnni_layout(weight: GGUFQuantWeight) -> tuple[torch.Tensor, torch.Tensor, to
         codes = (codes.to(torch.int16) + 128).to(torch.uint8)
         mins = -128.0 * scales
     pad = blocks * 16 - n
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
     scales = torch.nn.functional.pad(scales, (0, 0, 0, pad))
     mins = torch.nn.functional.pad(mins, (0, 0, 0, pad))
-    grouped = codes.view(blocks, 16, groups, GROUP_SIZE)  # [block, column, group, element]
-    if bits == 4:  # chunk i: element 4i + e in the low nibble, 16 + 4i + e in the high one
-        low = grouped[..., :16].reshape(blocks, 16, groups, 4, 4)
-        high = grouped[..., 16:].reshape(blocks, 16, groups, 4, 4)
-        chunks = low | (high << 4)
-    else:  # chunk j: element 4j + e
-        chunks = grouped.reshape(blocks, 16, groups, 8, 4)
-    packed = chunks.permute(0, 2, 3, 1, 4).contiguous()  # [block, group, chunk, column, byte]
+    if ops is not None:
+        packed = ops.pack_codes(codes, bits)
+    else:
+        codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+        grouped = codes.view(blocks, 16, groups, GROUP_SIZE)  # [block, column, group, element]
+        if bits == 4:  # chunk i: element 4i + e in the low nibble, 16 + 4i + e in the high one
+            low = grouped[..., :16].reshape(blocks, 16, groups, 4, 4)
+            high = grouped[..., 16:].reshape(blocks, 16, groups, 4, 4)
+            chunks = low | (high << 4)
+        else:  # chunk j: element 4j + e
+            chunks = grouped.reshape(blocks, 16, groups, 8, 4)
+        packed = chunks.permute(0, 2, 3, 1, 4).contiguous()  # [block, group, chunk, col, byte]
 
     def per_block(values: torch.Tensor) -> torch.Tensor:
         return values.view(blocks, 16, groups).transpose(1, 2).contiguous()
@@ -261,8 +266,13 @@ class GroupQuantizedWeight(torch.nn.Module):
         self.out_features = weight.shape[0]
         # Plain attributes, not buffers: model.to(bf16) must not round the fp32 scales. (This
         # form only lives on the CPU, so no device move is missed.)
-        self.codes, self.scales, self.mins, self.bits = vnni_layout(weight)
+        self.codes, self.scales, self.mins, self.bits = vnni_layout(weight, ops)
         self.activation_bits = EXACT_ACTIVATION_BITS if dtype == torch.float32 else ACTIVATION_BITS
+
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        """Write the weights as dense rows into out ([N, K] fp32 or bf16, contiguous): the
+        values of GGUFQuantWeight.dequantize, rounded once to out's dtype."""
+        self._ops.dequantize_codes(self.codes, self.scales, self.mins, self.bits, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) in fp32 or bf16 -> (..., N) in x's dtype."""

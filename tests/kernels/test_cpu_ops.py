@@ -113,6 +113,24 @@ def test_fp32_quant_linear_takes_bf16_and_rounds_once():
     assert torch.equal(layer(x), layer(x.float()).bfloat16())
 
 
+@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+def test_loading_kernels_equal_their_references(qtype):
+    """pack_codes lays the codes out as vnni_layout's torch reshapes do; dequantize_codes gives
+    back GGUFQuantWeight.dequantize's values: fp32 bit for bit, bf16 rounded once from them."""
+    n, k = 40, 288  # 40: the last 16-column block is partly padding
+    weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k, seed=7), qtype, (n, k))
+    compiled, reference = quantized.vnni_layout(weight, ops), quantized.vnni_layout(weight)
+    assert compiled[3] == reference[3]
+    for ours, theirs in zip(compiled[:3], reference[:3]):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    layer = GroupQuantizedWeight(weight, ops)
+    dense = weight.dequantize()
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((n, k), float("nan"), dtype=dtype)
+        layer.dequantize_into(out)
+        assert torch.equal(out, dense.to(dtype))
+
+
 def test_add_rms_norm_equals_the_module_path():
     norm = RMSNorm(576, 1e-5, ops)
     norm.weight.data = torch.randn(576).bfloat16()
