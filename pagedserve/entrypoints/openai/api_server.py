@@ -504,6 +504,28 @@ class _DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+class _QuietForcedExit(logging.Filter):
+    """A second Ctrl-C exits at once: the tasks still running when the event loop closes (the
+    ASGI lifespan's, a response still streaming) are cancelled, and uvicorn logs each
+    cancellation as an error with its traceback (the lifespan's as text starlette formatted).
+    Expected after a forced exit, so dropped: the drain's log line has said what was cut short.
+    Installed for the rest of the process, since that happens after serve() returns."""
+
+    def __init__(self, server: uvicorn.Server) -> None:
+        super().__init__()
+        self._server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self._server.force_exit:
+            return True
+        if record.exc_info is not None and isinstance(record.exc_info[1],
+                                                      asyncio.CancelledError):
+            return False
+        message = record.getMessage()
+        return not (message.startswith("Traceback")
+                    and message.rstrip().endswith("CancelledError"))
+
+
 def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
     """The listener: address, TLS, root path, uvicorn's logging."""
     return uvicorn.Config(
@@ -552,6 +574,7 @@ async def serve_app(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> 
         server.should_exit = True
 
     watchdog = asyncio.create_task(exit_when_engine_dies())
+    logging.getLogger("uvicorn.error").addFilter(_QuietForcedExit(server))
     try:
         await server.serve()
     finally:
