@@ -49,9 +49,9 @@ def spec_stats(llm):
     return llm.engine.get_stats().spec_decoding
 
 
-def test_greedy_with_ngram_equals_greedy_without(make_llm, tokenizer):
+def test_greedy_with_ngram_equals_greedy_without(make_llm, tokenizer, plain_greedy_doc_qa):
     prompts = doc_qa_prompts(tokenizer, 20)
-    plain = make_llm().generate(prompts, GREEDY)
+    plain = plain_greedy_doc_qa[:20]
     llm = make_llm(speculative_config=SPEC)
     spec = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
@@ -95,12 +95,11 @@ def test_seeded_sampling_with_ngram_is_reproducible(make_llm, tokenizer):
     assert again == first
 
 
-def test_ngram_with_chunking_caching_preemption_n2_and_stop_strings(make_llm, tokenizer):
+def test_ngram_with_chunking_caching_preemption_n2_and_stop_strings(make_llm, tokenizer,
+                                                                   plain_greedy_doc_qa):
     prompts = doc_qa_prompts(tokenizer, 6)
-    free = make_llm(enable_chunked_prefill=False, enable_prefix_caching=False).generate(
-        prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     # A stop string from the middle of each plain output (where one is printable).
-    params = stop_string_params(free)
+    params = stop_string_params(plain_greedy_doc_qa[:6])
     plain = make_llm(enable_chunked_prefill=False, enable_prefix_caching=False).generate(
         prompts, params)
 

@@ -27,10 +27,10 @@ def draft_kv(llm):
     return llm.engine.executor.worker.model_runner.proposer.kv
 
 
-def test_greedy_with_self_draft_equals_greedy_without(make_llm, tokenizer):
+def test_greedy_with_self_draft_equals_greedy_without(make_llm, tokenizer, plain_greedy_doc_qa):
     # 10 prompts, not the n-gram test's 20: each self-draft step costs ~4.5 target passes here.
     prompts = doc_qa_prompts(tokenizer, 10)
-    plain = make_llm().generate(prompts, GREEDY)
+    plain = plain_greedy_doc_qa[:10]
     llm = make_llm(speculative_config=SELF_DRAFT)
     spec = llm.generate(prompts, GREEDY)
     stats = spec_stats(llm)
@@ -41,14 +41,13 @@ def test_greedy_with_self_draft_equals_greedy_without(make_llm, tokenizer):
 
 
 def test_self_draft_with_chunking_caching_preemption_n2_stop_strings_and_mixed_batch(
-    make_llm, tokenizer
+    make_llm, tokenizer, plain_greedy_doc_qa
 ):
     """Greedy requests (n = 2, some with a stop string) next to requests that never get drafts
     (max_tokens 1) and seeded sampled ones, on a KV pool too small for all: preemption, prompt
     chunks beside verification steps, prefix-cache hits between the n = 2 copies."""
     prompts = doc_qa_prompts(tokenizer, 6)
-    free = make_llm().generate(prompts, GREEDY)
-    params = stop_string_params(free)
+    params = stop_string_params(plain_greedy_doc_qa[:6])
     params += [SamplingParams(temperature=0, max_tokens=1)] * 2
     params += [SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)] * 2
     prompts = prompts + prompts[:2] + prompts[2:4]

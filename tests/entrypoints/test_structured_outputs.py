@@ -15,7 +15,7 @@ import pytest
 
 from tests.entrypoints.utils import API_KEY, MODEL_NAME
 
-NUM_SAMPLES = 20
+NUM_SAMPLES = 12
 SAMPLING = dict(model=MODEL_NAME, temperature=0.8)
 
 
@@ -95,7 +95,7 @@ async def _chat_samples(server, prompt: str, num: int, **fields) -> list:
 
 
 def test_json_schemas_always_validate(server):
-    """10 schemas x 20 samples at temperature 0.8, all at once: every output validates."""
+    """10 schemas x 12 samples at temperature 0.8, all at once: every output validates."""
 
     async def run_all():
         return await asyncio.gather(*[
@@ -110,7 +110,7 @@ def test_json_schemas_always_validate(server):
         for choice in choices:
             assert choice.finish_reason == "stop", (prompt, choice.message.content)
             assert _conforms(choice.message.content, schema), (prompt, choice.message.content)
-        # Sampling at 0.8 really sampled: not one output twenty times.
+        # Sampling at 0.8 really sampled: not one output twelve times.
         assert len({c.message.content for c in choices}) > 1 or len(schema["properties"]) == 1
 
 
