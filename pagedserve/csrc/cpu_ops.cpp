@@ -635,6 +635,21 @@ bool exact_linear_vectorized() {
 #endif
 }
 
+// Weights of an [n, k] matrix in the layout above, as quant_linear and dequantize_codes take them.
+void check_layout(const torch::Tensor& codes, const torch::Tensor& scales,
+                  const torch::Tensor& mins, int64_t n, int64_t k, int64_t bits) {
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
+              "weights must be contiguous");
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kHalf) &&
+                  mins.scalar_type() == scales.scalar_type(),
+              "scales and mins must both be fp32 or both fp16");
+  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
+  const int64_t blocks = (n + 15) / 16, groups = k / kGroup;
+  TORCH_CHECK(codes.numel() == blocks * groups * (bits == 4 ? 4 : 8) * 64, "codes do not match");
+  TORCH_CHECK(scales.numel() == blocks * groups * 16 && mins.numel() == blocks * groups * 16,
+              "scales / mins do not match");
+}
+
 // x @ W^T for W in the layout above. activation_bits 16 / 8: the activations quantized per group
 // and integer dot products (VNNI); 32: exact weights and fp32 sums (the fp32 compute path).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -644,17 +659,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 32,
               "activation_bits must be 8, 16 or 32 (fp32, exact weights)");
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
-              "weights must be contiguous");
-  TORCH_CHECK((scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kHalf) &&
-                  mins.scalar_type() == scales.scalar_type(),
-              "scales and mins must both be fp32 or both fp16");
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
-  const int64_t blocks = (n + 15) / 16, groups = k / kGroup;
-  TORCH_CHECK(codes.numel() == blocks * groups * (bits == 4 ? 4 : 8) * 64, "codes do not match");
-  TORCH_CHECK(scales.numel() == blocks * groups * 16 && mins.numel() == blocks * groups * 16,
-              "scales / mins do not match");
+  check_layout(codes, scales, mins, n, k, bits);
   torch::Tensor xc = x.contiguous();
   torch::Tensor y = torch::empty({rows, n}, x.options());
   torch::Tensor b;
@@ -761,17 +767,8 @@ void dequantize_codes(torch::Tensor codes, torch::Tensor scales, torch::Tensor m
                       torch::Tensor out) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out: contiguous (N, K)");
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
-              "weights must be contiguous");
-  TORCH_CHECK((scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kHalf) &&
-                  mins.scalar_type() == scales.scalar_type(),
-              "scales and mins must both be fp32 or both fp16");
   const int64_t n = out.size(0), k = out.size(1);
-  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
-  const int64_t blocks = (n + 15) / 16, groups = k / kGroup;
-  TORCH_CHECK(codes.numel() == blocks * groups * (bits == 4 ? 4 : 8) * 64, "codes do not match");
-  TORCH_CHECK(scales.numel() == blocks * groups * 16 && mins.numel() == blocks * groups * 16,
-              "scales / mins do not match");
+  check_layout(codes, scales, mins, n, k, bits);
   const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   DISPATCH_FLOAT_OR_BF16(out.scalar_type(), "dequantize_codes", [&] {
     auto run = [&](auto* s, auto* m) {

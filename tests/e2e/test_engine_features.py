@@ -54,11 +54,14 @@ def plain_outputs(make_llm, prompts, cache):
 
 
 def test_batch_equals_alone(make_llm, tokenizer):
+    """16 prompts in one batch; alone, every other short one and all the long ones (a batch-1
+    run of all 16 took most of this test's 27 s)."""
     prompts = mixed_prompts(tokenizer, 16)
     llm = make_llm(enable_prefix_caching=False)
     batched = token_ids(llm.generate(prompts, GREEDY))
-    alone = [token_ids(llm.generate([p], GREEDY))[0] for p in prompts]
-    assert batched == alone
+    checked = [0, 2, 4, 6, 8, 9, 10, 11]  # 9-11: source text of 300, 1000 and 2000 chars
+    alone = [token_ids(llm.generate([prompts[i]], GREEDY))[0] for i in checked]
+    assert [batched[i] for i in checked] == alone
 
 
 def test_chunked_prefill_does_not_change_output(make_llm, tokenizer, plain_outputs_cache):

@@ -59,6 +59,13 @@ def server_process(request, tmp_path: Path):
             process.wait()
 
 
+def wait_until_draining(base_url: str) -> None:
+    deadline = time.monotonic() + 10
+    while httpx.get(base_url + "/health").status_code != 503:
+        assert time.monotonic() < deadline, "the server never started draining"
+        time.sleep(0.01)
+
+
 def test_sigterm_drains_then_exits_cleanly(server_process):
     process, base_url, log_path = server_process
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
@@ -86,10 +93,7 @@ def test_sigterm_drains_then_exits_cleanly(server_process):
 
     process.send_signal(signal.SIGTERM)
     # While draining, the listener stays open: /health and new requests get a clean 503.
-    deadline = time.monotonic() + 10
-    while httpx.get(base_url + "/health").status_code != 503:
-        assert time.monotonic() < deadline, "the server never started draining"
-        time.sleep(0.01)
+    wait_until_draining(base_url)
     with pytest.raises(openai.APIStatusError) as error:
         client.completions.create(model=MODEL_NAME, prompt="new", max_tokens=2)
     assert error.value.status_code == 503
@@ -126,10 +130,7 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback(server_process):
     thread.start()
     assert started.wait(timeout=60), "the stream never started"
     process.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + 10
-    while httpx.get(base_url + "/health").status_code != 503:
-        assert time.monotonic() < deadline, "the server never started draining"
-        time.sleep(0.01)
+    wait_until_draining(base_url)
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=30) == 1
     thread.join(timeout=30)

@@ -46,7 +46,7 @@ def test_required_always_gives_valid_calls(server):
                 aclient.chat.completions.create(messages=ASK, tools=TOOLS,
                                                 tool_choice="required", max_tokens=400,
                                                 **SAMPLING)
-                for _ in range(20)])
+                for _ in range(10)])
 
     responses = asyncio.run(run())
     for response in responses:
