@@ -133,19 +133,16 @@ class Linear(nn.Module):
         for shard_id, weight in pending.items():
             _check_shape(weight, slices[shard_id].shape)
         complete = bool(pending) and pending.keys() == slices.keys()
-        if dtype == torch.float32 and quantize is None and complete:
-            merged = concat_rows([pending[shard_id] for shard_id in slices])
-            self.packed = packed_weight(merged, dtype) if merged is not None else None
-            if self.packed is not None:
-                self.weight = None
+        packable = complete and quantize is None and dtype in (torch.float32, torch.bfloat16)
+        merged = concat_rows([pending[shard_id] for shard_id in slices]) if packable else None
+        if merged is not None:  # None: mixed types, dense only
+            self.packed = packed_weight(merged, dtype)  # fp32: None where not vectorized
+            if self.packed is not None and dtype == torch.float32:
+                self.weight = None  # the codes alone, multiplied exactly
                 return
-        if dtype == torch.bfloat16 and quantize is None and complete:
-            merged = concat_rows([pending[shard_id] for shard_id in slices])
-            if merged is not None:  # None: mixed types, dense only
-                self.packed = packed_weight(merged, dtype)
-                if isinstance(self.packed, GroupQuantizedWeight):  # the dense copy in one pass
-                    self.packed.dequantize_into(self.weight.data)
-                    return
+            if isinstance(self.packed, GroupQuantizedWeight):  # the dense copy in one pass
+                self.packed.dequantize_into(self.weight.data)
+                return
         for shard_id, weight in pending.items():
             slices[shard_id].copy_(weight.dequantize())
         if dtype == torch.bfloat16 and quantize is not None:

@@ -16,6 +16,7 @@ requests of context L fit at once.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -95,7 +96,7 @@ def resident_bytes(tensors) -> int | None:
     untouched pages take no memory, so the RSS holds only this part of it."""
     import numpy as np
 
-    libc = _libc()
+    libc = glibc()
     if libc is None:
         return None
     page = mmap.PAGESIZE
@@ -118,7 +119,9 @@ def resident_bytes(tensors) -> int | None:
     return total
 
 
-def _libc():
+@functools.cache
+def glibc() -> ctypes.CDLL | None:
+    """glibc, for mincore and malloc_trim; None off Linux or on another libc (e.g. musl)."""
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -138,11 +138,10 @@ class ModelRunner:
         """Of the KV tensors (this rank's pool, a draft's), the bytes in memory now: on the CPU
         they are mapped lazily and fill as blocks are first written (attention/kv_cache.py); on
         a GPU, all of them. None: unknown (not Linux)."""
-        if self.device.type != "cpu":
-            return {"kv_pool": tensors_bytes(self.kv_caches)}
-        resident = {"kv_pool": resident_bytes(self.kv_caches)}
+        measure = resident_bytes if self.device.type == "cpu" else tensors_bytes
+        resident = {"kv_pool": measure(self.kv_caches)}
         if isinstance(self.proposer, DraftModelProposer):
-            resident["draft_kv"] = resident_bytes(self.proposer.kv.kv_caches)
+            resident["draft_kv"] = measure(self.proposer.kv.kv_caches)
         return resident
 
     # ---- sleep mode and weight reload -------------------------------------------------------

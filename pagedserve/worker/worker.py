@@ -9,12 +9,10 @@ executor reaches it (same process or a socket).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import hashlib
 import logging
 import os
-import sys
 
 import torch
 
@@ -354,8 +352,6 @@ def release_memory(device: torch.device, collect_cycles: bool = True) -> None:
         gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to trim
-            pass
+    libc = memory.glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # not glibc (e.g. musl): nothing to trim
+        libc.malloc_trim(0)
