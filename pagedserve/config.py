@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pagedserve.core.kv_cache_groups import KVCacheLayout
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -77,6 +79,12 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def kv_cache_layout(self, per_layer_group: bool) -> KVCacheLayout:
+        """Which layers share a block table (CacheConfig.hybrid_kv_cache: per_layer_group)."""
+        return KVCacheLayout.for_layers(
+            [self.layer_sliding_window(i) for i in range(self.num_hidden_layers)],
+            per_layer_group)
+
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
@@ -134,6 +142,10 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None
     """cuda only: the pool is this fraction of device memory less what is allocated once the
     weights are loaded (vLLM's flag); None: kv_cache_memory_bytes."""
+    hybrid_kv_cache: bool = True
+    """Manage KV per layer group (core/kv_cache_groups.py, vLLM's hybrid KV cache manager): a
+    windowed layer's blocks are let go of once its window has passed them. False: one block
+    table for every layer, every block kept (windowed layers mask)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -54,23 +54,34 @@ class KVCacheSpec:
     """K/V elements: the compute dtype, or int8 / float8_e4m3fn codes."""
     scale_dtype: torch.dtype | None = None
     """None: K/V stored as they are; else the per-(head, token) scales' dtype."""
+    layer_slots: tuple[int, ...] = ()
+    """Per layer, the slot whose tensors hold its KV: layers of different KV cache groups share
+    a slot, each in the blocks its group holds (KVCacheLayout.layer_slots). (): a slot each."""
 
     @classmethod
     def create(
         cls, cache_dtype: str, compute_dtype: torch.dtype, num_layers: int, num_kv_heads: int,
-        head_dim: int, block_size: int,
+        head_dim: int, block_size: int, layer_slots: tuple[int, ...] = (),
     ) -> KVCacheSpec:
         """cache_dtype: CacheConfig.cache_dtype ("auto", "int8" or "fp8")."""
+        if layer_slots and len(layer_slots) != num_layers:
+            raise ValueError(f"{len(layer_slots)} layer slots for {num_layers} layers")
         if cache_dtype == "auto":
-            return cls(num_layers, num_kv_heads, head_dim, block_size, compute_dtype)
+            return cls(num_layers, num_kv_heads, head_dim, block_size, compute_dtype,
+                       layer_slots=layer_slots)
         if cache_dtype not in QUANTIZED_DTYPES:
             raise ValueError(f"unknown KV cache dtype {cache_dtype!r}")
         return cls(num_layers, num_kv_heads, head_dim, block_size, QUANTIZED_DTYPES[cache_dtype],
-                   SCALE_DTYPE)
+                   SCALE_DTYPE, layer_slots)
 
     @property
     def quantized(self) -> bool:
         return self.scale_dtype is not None
+
+    @property
+    def num_slots(self) -> int:
+        """Layers' worth of KV one block holds."""
+        return max(self.layer_slots) + 1 if self.layer_slots else self.num_layers
 
     def shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
         """The shape of each tensor of one layer's KVCache, in order."""
@@ -82,21 +93,23 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """Every tensor of every layer, scales included (the pool is sized by this)."""
+        """Every tensor of every slot, scales included (the pool is sized by this)."""
         per_layer = sum(
             _numel(shape) * _element_size(dtype)
             for shape, dtype in zip(self.shapes(1), self.dtypes())
         )
-        return self.num_layers * per_layer
+        return self.num_slots * per_layer
 
     def allocate(self, num_blocks: int, device: torch.device | str) -> list[KVCache]:
-        """One KVCache per layer, zeroed (on the CPU, lazily: see lazily_zeroed)."""
+        """One KVCache per layer, zeroed (on the CPU, lazily: see lazily_zeroed); layers that
+        share a slot share its tensors."""
         zeroed = lazily_zeroed if torch.device(device).type == "cpu" else torch.zeros
-        return [
+        slots = [
             tuple(zeroed(shape, dtype=dtype, device=device)
                   for shape, dtype in zip(self.shapes(num_blocks), self.dtypes()))
-            for _ in range(self.num_layers)
+            for _ in range(self.num_slots)
         ]
+        return [slots[slot] for slot in (self.layer_slots or range(self.num_layers))]
 
 
 def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:

@@ -28,11 +28,12 @@ class Attention(nn.Module):
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.sliding_window = sliding_window
         """Keys this layer sees per query, the query's own included (None: all earlier ones).
-        Every KV block is kept: a windowed layer only masks what lies outside its window."""
+        The layer masks what lies outside its window; its KV cache group's block table may
+        have let go of those blocks (core/kv_cache_groups.py)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D)."""
-        meta = get_forward_context()
+        meta = get_forward_context().for_layer(self.layer_idx)
         kv_cache = meta.kv_caches[self.layer_idx]
         self.backend.write_kv(kv_cache, k, v, meta.slot_mapping)
         return self.backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)

@@ -8,6 +8,7 @@ batch, at positions [context_lens[i], seq_lens[i]) of its sequence.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,10 +41,21 @@ class AttentionMetadata:
     backend_state: dict[str, Any] = field(default_factory=dict)
     """Tensors an attention backend derives from this metadata once per step (in its first
     layer) and reuses in the others, e.g. the decode mask."""
+    layer_groups: tuple[int, ...] = ()
+    """Per layer (its index in kv_caches), the KV cache group whose block table it reads
+    (core/kv_cache_groups.py); (): every layer reads this metadata's."""
+    other_groups: tuple[AttentionMetadata, ...] = ()
+    """Groups 1, 2, ...: the same step through their own block tables (slot_mapping,
+    block_table and backend_state of their own; the rest as here)."""
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens)
+
+    def for_layer(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata layer `layer_idx` attends with: its KV cache group's."""
+        group = self.layer_groups[layer_idx] if self.layer_groups else 0
+        return self if group == 0 else self.other_groups[group - 1]
 
 
 def slot_mapping_of(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -79,6 +91,36 @@ def build_attention_metadata(
         decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64, device=device),
         kv_caches=kv_caches,
     )
+
+
+def build_grouped_attention_metadata(
+    chunks: list[tuple[tuple[list[int], ...], int, int]],
+    block_size: int,
+    kv_caches: list[KVCache],
+    device: torch.device,
+    layer_groups: tuple[int, ...] = (),
+) -> AttentionMetadata:
+    """As build_attention_metadata, with each request's block ids given per KV cache group;
+    layer_groups: per layer, its group (() with one group)."""
+    meta = build_attention_metadata([(tables[0], start, end) for tables, start, end in chunks],
+                                    block_size, kv_caches, device)
+    num_groups = len(chunks[0][0])
+    if num_groups == 1:
+        return meta
+    others = []
+    for group in range(1, num_groups):
+        slot_mapping = []
+        for tables, start, end in chunks:
+            slot_mapping.extend(slot_mapping_of(tables[group], start, end, block_size))
+        max_blocks = max(len(tables[group]) for tables, _, _ in chunks)
+        block_table = [tables[group] + [0] * (max_blocks - len(tables[group]))
+                       for tables, _, _ in chunks]
+        others.append(dataclasses.replace(
+            meta, backend_state={},
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_table=torch.tensor(block_table, dtype=torch.int64, device=device)))
+    meta.layer_groups, meta.other_groups = layer_groups, tuple(others)
+    return meta
 
 
 _forward_context: AttentionMetadata | None = None

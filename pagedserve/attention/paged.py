@@ -5,8 +5,9 @@ head-major, so gathering a request's blocks (index_select on dim 1) directly yie
 keys as one contiguous (positions, head_dim) matrix: the operand a batched matmul wants.
 Decodes are batched: their blocks are gathered into (Hkv, B, L, D) and padded positions masked.
 Each prefill chunk attends to its gathered context with a causal mask offset by the context length.
-A layer with a sliding window also masks the keys its window has left behind (it reads every
-block; which blocks a window lets go of is the cache manager's business, not attention's).
+A layer with a sliding window reads only the blocks its window reaches (from the block of the
+earliest position a query still sees) and masks the rest of them: the blocks before may have been
+let go of by its KV cache group (core/kv_cache_groups.py) and now hold another request's KV.
 
 On the CPU the compiled kernels are faster (attention/cpu_kernel_backend.py, which falls back to
 the functions here where they do not serve); this backend serves other devices and dtypes, runs
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.kv_cache import KVCache, dequantize_kv, quantize_kv
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.core.kv_cache_groups import first_needed_block, window_blocks
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -90,9 +92,14 @@ def gathered_prefill_attention(
 ) -> torch.Tensor:
     """Request req_index's prefill chunk q (Tq, H, D) over its gathered context -> (Tq, H, D).
     scale, sliding_window: as in AttentionBackend.forward."""
-    k, v = _gather(kv_cache, meta.block_table[req_index], meta.seq_lens[req_index], q.dtype)
+    context_len, block_size = meta.context_lens[req_index], kv_cache[0].shape[2]
+    # The chunk's first query sees back to context_len - window + 1: no block before that one.
+    first_block = first_needed_block(context_len, sliding_window, block_size)
+    k, v = _gather(kv_cache, meta.block_table[req_index], meta.seq_lens[req_index], q.dtype,
+                   first_block)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _prefill_attention(q, k, v, meta.context_lens[req_index], scale, sliding_window)
+    return _prefill_attention(q, k, v, context_len, scale, sliding_window,
+                              first_block * block_size)
 
 
 PREFILL_QUERY_BLOCK = 128
@@ -101,10 +108,11 @@ PREFILL_QUERY_BLOCK = 128
 
 def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, key_offset: int = 0,
 ) -> torch.Tensor:
     """One request's prefill chunk. q: (Tq, H, D) at positions context_len .. context_len + Tq;
-    k, v: (Hkv, S, D) with S = context_len + Tq -> (Tq, H, D).
+    k, v: (Hkv, S, D), positions key_offset .. context_len + Tq (key_offset > 0 only where the
+    window has passed the positions before it) -> (Tq, H, D).
 
     A fresh prompt (no context) that its window (if any) does not cut goes to torch's SDPA flash
     kernel with is_causal (its causal mask is aligned top-left, right only without context).
@@ -112,7 +120,7 @@ def _prefill_attention(
     lets in up to its last query; scores and softmax in fp32 (bf16 scores would round logits).
     SDPA with an explicit mask measured ~1.4x slower.
     """
-    num_keys = k.shape[1]
+    num_keys = key_offset + k.shape[1]  # positions 0 .. num_keys, the first key_offset not read
     window_cuts = sliding_window is not None and num_keys > sliding_window
     if context_len == 0 and not window_cuts:
         # 4-D: torch 2.13 sends 3-D inputs to its slow math path (5x slower at 2,048 tokens).
@@ -134,11 +142,12 @@ def _prefill_attention(
         rows = q_end - q_start
         # | outside every row's window | keys [kv_start, kv_end) this block reads | later keys |
         kv_end = context_len + q_end
-        kv_start = max(0, context_len + q_start - sliding_window + 1) if window_cuts else 0
+        kv_start = (max(key_offset, context_len + q_start - sliding_window + 1) if window_cuts
+                    else key_offset)
         num_read = kv_end - kv_start
         scores = torch.bmm(
             q32[:, :, q_start:q_end].reshape(num_kv_heads, group * rows, head_dim),
-            k32[:, :, kv_start:kv_end],
+            k32[:, :, kv_start - key_offset : kv_end - key_offset],
         ).view(num_kv_heads, group, rows, num_read)
         query_positions = key_positions[context_len + q_start : kv_end, None]  # (rows, 1)
         read_positions = key_positions[None, kv_start:kv_end]  # (1, num_read)
@@ -147,7 +156,8 @@ def _prefill_attention(
             outside |= read_positions <= query_positions - sliding_window
         scores.masked_fill_(outside, float("-inf"))
         probs = scores.softmax(dim=-1).view(num_kv_heads, group * rows, num_read)
-        out[:, :, q_start:q_end] = torch.bmm(probs, v32[:, kv_start:kv_end]).view(
+        out[:, :, q_start:q_end] = torch.bmm(
+            probs, v32[:, kv_start - key_offset : kv_end - key_offset]).view(
             num_kv_heads, group, rows, head_dim
         )
     return out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, head_dim).to(q.dtype)
@@ -164,7 +174,7 @@ class _DecodePlan:
     """(Hkv * B, G, L) additive mask: 0 where a gathered position is in the sequence (and in the
     window, if any), else -inf."""
     padded_len: int
-    """L: num_blocks * block_size."""
+    """L: num_blocks * block_size (a windowed layer's: the blocks its window reaches)."""
 
 
 def _head_major_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -186,18 +196,30 @@ def _decode_plan(
     if plan is None:
         num_decodes = meta.num_decodes
         num_blocks = -(-max(meta.seq_lens[:num_decodes]) // block_size)
-        padded_len = num_blocks * block_size
-        positions = torch.arange(padded_len, device=meta.block_table.device)
+        device = meta.block_table.device
         seq_lens = meta.decode_seq_lens[:, None]
-        outside = positions[None, :] >= seq_lens  # (B, L)
+        if sliding_window is None or num_blocks <= window_blocks(sliding_window, block_size):
+            table = meta.block_table[:num_decodes, :num_blocks]  # (B, num_blocks)
+            positions = torch.arange(num_blocks * block_size, device=device)[None, :]
+        else:
+            # Each request's window: the blocks from the one holding its earliest visible
+            # position (seq_len - window), as many as a window can straddle. Near the end of a
+            # shorter table the run starts earlier (and the extra blocks are masked).
+            num_blocks = window_blocks(sliding_window, block_size)
+            first = ((meta.decode_seq_lens - sliding_window).clamp_(min=0) // block_size).clamp_(
+                max=meta.block_table.shape[1] - num_blocks)
+            block_index = first[:, None] + torch.arange(num_blocks, device=device)  # (B, nb)
+            table = meta.block_table[:num_decodes].gather(1, block_index)
+            positions = ((block_index * block_size)[:, :, None]
+                         + torch.arange(block_size, device=device)).flatten(1)  # (B, L)
+        padded_len = num_blocks * block_size
+        outside = positions >= seq_lens  # (B, L)
         if sliding_window is not None:  # the query sits at seq_len - 1
-            outside |= positions[None, :] <= seq_lens - 1 - sliding_window
+            outside |= positions <= seq_lens - 1 - sliding_window
         bias = torch.zeros(num_decodes, padded_len, dtype=dtype, device=outside.device)
         bias.masked_fill_(outside, float("-inf"))
         plan = _DecodePlan(
-            block_ids=_head_major_rows(
-                meta.block_table[:num_decodes, :num_blocks].flatten(), num_kv_heads, num_cache_blocks
-            ),
+            block_ids=_head_major_rows(table.flatten(), num_kv_heads, num_cache_blocks),
             bias=bias[None, :, None, :].expand(num_kv_heads, -1, group, -1)
             .reshape(num_kv_heads * num_decodes, group, padded_len),
             padded_len=padded_len,
@@ -250,14 +272,18 @@ def token_rows_and_lens(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Te
 
 
 def _gather(
-    kv_cache: KVCache, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype
+    kv_cache: KVCache, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype,
+    first_block: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's (max_blocks,) block ids -> its K, V: (Hkv, seq_len, D) each, in dtype."""
+    """One request's (max_blocks,) block ids -> its K, V at positions first_block * block_size ..
+    seq_len: (Hkv, that many, D) each, in dtype."""
     num_kv_heads, num_cache_blocks, block_size, head_dim = kv_cache[0].shape
-    ids = _head_major_rows(block_ids[: -(-seq_len // block_size)], num_kv_heads, num_cache_blocks)
+    ids = _head_major_rows(block_ids[first_block : -(-seq_len // block_size)], num_kv_heads,
+                           num_cache_blocks)
     k, v = _gather_blocks(kv_cache, ids, dtype)
-    return (k.view(num_kv_heads, -1, head_dim)[:, :seq_len],
-            v.view(num_kv_heads, -1, head_dim)[:, :seq_len])
+    num_positions = seq_len - first_block * block_size
+    return (k.view(num_kv_heads, -1, head_dim)[:, :num_positions],
+            v.view(num_kv_heads, -1, head_dim)[:, :num_positions])
 
 
 def _gather_blocks(

@@ -11,6 +11,9 @@ its requests JSON-constrained, and the table compares them (throughput ratio, ma
 With --compare-no-prefix-cache (doc-qa), the founding document's method for document QA: each
 document's first questions, then the repeats, run by an engine without the prefix cache and then
 by a fresh one with it (see compare_prefix_cache).
+
+With --compare-no-hybrid-kv, a sliding-window model's KV held per request with KV managed per
+layer group and with every block kept (benchmarks/hybrid_kv.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pagedserve.benchmarks.datasets import (
     num_questions_per_doc,
     split_first_questions,
 )
+from pagedserve.benchmarks.hybrid_kv import compare_hybrid_kv, format_hybrid_kv_table
 from pagedserve.benchmarks.serve import percentile
 from pagedserve.benchmarks.step_profile import format_profile, profile_steps
 from pagedserve.core.stats import SpecDecodingStats
@@ -73,6 +77,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="with --dataset doc-qa: run each document's first question, then "
                             "the repeats, on an engine without the prefix cache and then on a "
                             "fresh one with it; report each batch and the ratios")
+    group.add_argument("--compare-no-hybrid-kv", action="store_true",
+                       help="run the workload with KV managed per layer group (the default) "
+                            "and with one block table for every layer "
+                            "(--disable-hybrid-kv-cache-manager); report the peak KV held per "
+                            "request, throughput and whether the outputs agree")
     group.add_argument("--compare-events", type=int, default=0, metavar="ROUNDS",
                        help="after the run, run the batch ROUNDS more times with the event "
                             "stream observed (a timeline store subscribed, as the server does) "
@@ -365,6 +374,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_one_process and engine_args.create_parallel_config().world_size == 1:
         raise ValueError("--compare-one-process needs --tensor-parallel-size or "
                          "--pipeline-parallel-size > 1")
+    if args.compare_no_hybrid_kv:
+        result = compare_hybrid_kv(args, engine_args)
+        _emit(result, format_hybrid_kv_table(result), args.output_json)
+        return result
     if args.compare_no_prefix_cache:
         result = compare_prefix_cache(args, engine_args)
         _emit(result, format_prefix_cache_table(result), args.output_json)

@@ -49,3 +49,10 @@ def extend_block_hashes(
                 extra_keys_for_block(block_index, namespace),
             )
         )
+
+
+def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """A block's key in the prefix-cache index: its hash, and for KV cache groups after the
+    first (core/kv_cache_groups.py) the group too, since the same tokens' KV differs between
+    groups (other layers)."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")

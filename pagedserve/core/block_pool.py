@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from pagedserve.core.block_hash import BlockHash
+from pagedserve.core.block_hash import BlockHash, group_block_key
 from pagedserve.observability.events import BlocksEvicted, BlocksStored, EventBus
 
 
@@ -94,8 +94,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self._cached.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        """The block holding KV cache group `group`'s copy of this content, if indexed."""
+        return self._cached.get(group_block_key(block_hash, group))
 
     def cache_full_blocks(
         self,
@@ -103,8 +104,10 @@ class BlockPool:
         block_hashes: list[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group: int = 0,
     ) -> None:
-        """Index blocks[num_cached_blocks:num_full_blocks], which have just become full."""
+        """Index blocks[num_cached_blocks:num_full_blocks] of KV cache group `group`, which have
+        just become full."""
         stored = [] if self.events.enabled else None
         for block, block_hash in zip(
             blocks[num_cached_blocks:num_full_blocks],
@@ -113,11 +116,14 @@ class BlockPool:
             # A block that came from a cache hit is indexed already; and when another block with
             # the same content got there first, the index keeps that one and this block stays
             # private to its request.
-            if block.block_hash is None and block_hash not in self._cached:
-                block.block_hash = block_hash
-                self._cached[block_hash] = block
+            # (The null block stands in a windowed group's table for blocks let go of.)
+            key = group_block_key(block_hash, group)
+            if (block.block_hash is None and key not in self._cached
+                    and block.block_id != self.NULL_BLOCK_ID):
+                block.block_hash = key
+                self._cached[key] = block
                 if stored is not None:
-                    stored.append(block_hash)
+                    stored.append(key)
         if stored:
             self.events.emit(BlocksStored(tuple(stored)))
 

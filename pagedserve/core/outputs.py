@@ -26,7 +26,8 @@ class NewRequestData:
     num_prompt_tokens: int
     sampling_params: SamplingParams | None
     """None for a pooling request."""
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    """Its block table per KV cache group (core/kv_cache_groups.py)."""
     num_computed_tokens: int
     """Tokens with KV already in the cache (prefix-cache hits) before this step's tokens."""
     lora_int_id: int | None = None
@@ -40,7 +41,10 @@ class CachedRequestData:
     """What changed for requests the runner already holds: parallel lists, one entry each."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
+    """Per request, the blocks appended to each KV cache group's table. (A windowed group puts
+    the null block where its window lets go of a block; the runner's table keeps the old id,
+    which its layers never read again.)"""
     num_computed_tokens: list[int] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
     """Output tokens this step computes (sampled since the request was last scheduled). The rank

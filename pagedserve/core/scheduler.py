@@ -52,10 +52,13 @@ class Scheduler:
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
         connector: KVConnectorScheduler | None = None, max_loras: int | None = None,
         events: EventBus | None = None,
+        kv_cache_group_windows: tuple[int | None, ...] = (None,),
     ) -> None:
         """connector: the scheduler half of the KV tiers (None: KV lives in the pool only).
         max_loras: distinct LoRA adapters one step may use (None: no adapters).
-        events: where request and block events go (observability/events.py)."""
+        events: where request and block events go (observability/events.py).
+        kv_cache_group_windows: the sliding window of each KV cache group (KVCacheLayout.windows;
+        one global group: every layer keeps every block)."""
         self.config = scheduler_config
         self.events = events or EventBus()
         self.step_index = -1
@@ -63,8 +66,11 @@ class Scheduler:
         self.max_loras = max_loras
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, self.events
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, self.events,
+            kv_cache_group_windows,
         )
+        if connector is not None and self.kv_cache_manager.num_groups > 1:
+            raise ValueError("KV tiers need one KV cache group (CacheConfig.hybrid_kv_cache off)")
         self.requests: dict[str, Request] = {}
         # Heap of (priority, arrival_time, sequence, request): lower priority value runs first.
         self._waiting: list[tuple[int, float, int, Request]] = []
@@ -110,7 +116,7 @@ class Scheduler:
             # The last sampled token never gets KV: a request holds at most this many tokens' KV.
             max_len = min(request.num_prompt_tokens + request.max_tokens,
                           self.config.max_model_len) - 1
-        num_blocks_needed = cdiv(max_len, self.block_size)
+        num_blocks_needed = self.kv_cache_manager.max_blocks_for(max_len)
         num_usable = self.kv_cache_manager.block_pool.num_usable_blocks
         if num_blocks_needed > num_usable:
             raise ValueError(
@@ -143,7 +149,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs = CachedRequestData()
-        new_block_ids: dict[str, list[int]] = {}
+        new_block_ids: dict[str, tuple[list[int], ...]] = {}
+        """Per request scheduled, its new blocks' ids per KV cache group."""
         preempted: list[Request] = []
         step_loras: set[int] = set()  # adapters of the requests scheduled: <= max_loras
 
@@ -185,7 +192,8 @@ class Scheduler:
                 req_index += 1
                 continue
             num_scheduled[request.request_id] = num_new_tokens
-            new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            new_block_ids[request.request_id] = tuple(
+                [block.block_id for block in blocks] for blocks in new_blocks)
             token_budget -= num_new_tokens
             self._add_lora(request, step_loras)
             req_index += 1
@@ -311,8 +319,13 @@ class Scheduler:
             request.num_steps_in_flight += 1
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(
-                self.requests, self.kv_cache_manager.get_block_ids, num_scheduled)
+                self.requests, self._connector_block_ids, num_scheduled)
         return output
+
+    def _connector_block_ids(self, req_id: str) -> list[int]:
+        """A KV tier's view of a request's blocks: the one group's (tiers move whole blocks of
+        every layer, so they run with one KV cache group: CacheConfig.hybrid_kv_cache)."""
+        return self.kv_cache_manager.get_block_ids(req_id)[0]
 
     def _emit_admitted(self, request: Request, num_hit_tokens: int) -> None:
         """A waiting request is about to run: its prefix hit, and its resumption."""
@@ -343,7 +356,7 @@ class Scheduler:
             request.times.first_scheduled = time.monotonic()
         self._loading[request.request_id] = request
         self.connector.update_state_after_alloc(
-            request, self.kv_cache_manager.get_block_ids(request.request_id), num_external)
+            request, self._connector_block_ids(request.request_id), num_external)
         return True
 
     def _finish_loads(self, output: KVConnectorOutput) -> None:
@@ -356,7 +369,7 @@ class Scheduler:
             # loads the prompt's last block but counts it only up to that token.
             num_loaded = min(num_blocks * self.block_size,
                              request.num_tokens - 1 - request.num_computed_tokens)
-            num_asked = min(len(self.kv_cache_manager.req_to_blocks[req_id]) * self.block_size,
+            num_asked = min(len(self.kv_cache_manager.req_to_blocks[req_id][0]) * self.block_size,
                             request.num_tokens - 1)
             self.connector.record_load_result(
                 num_loaded, max(0, num_asked - request.num_computed_tokens - num_loaded))
@@ -629,7 +642,8 @@ class Scheduler:
                     f"{request.request_id} has {num_indexed} blocks in the prefix-cache index but "
                     f"only {request.num_tokens} final tokens (draft tokens must not be indexed)"
                 )
-            num_blocks = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, []))
+            tables = self.kv_cache_manager.req_to_blocks.get(request.request_id, ([],))
+            num_blocks = len(tables[0])  # every group's table has the same length
             if num_blocks < cdiv(request.num_computed_tokens, self.block_size):
                 raise RuntimeError(
                     f"{request.request_id} computed {request.num_computed_tokens} tokens "

@@ -140,6 +140,9 @@ class EngineArgs:
     """Fix the number of KV blocks instead of sizing the pool from memory."""
     kv_cache_dtype: str = "auto"
     """auto: KV in the compute dtype; int8 / fp8 (e4m3): quantized, scales stored beside it."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """One block table for every layer: windowed layers keep every block and mask (vLLM's
+    flag). Also the case, whatever this says, with KV tiers or pipeline stages."""
     kv_transfer_config: dict | str | None = None
     """KV tiers, vLLM's keys, as a dict or JSON: e.g. {"kv_connector": "DiskConnector",
     "kv_connector_extra_config": {"path": "/var/cache/pagedserve", "max_bytes": "20GiB"}}."""
@@ -239,6 +242,11 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 cache_dtype=KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype),
+                # KV tiers move whole blocks of every layer; a pipeline stage holds some layers
+                # and schedules ahead (blocks are let go of at scheduling)
+                hybrid_kv_cache=(not self.disable_hybrid_kv_cache_manager
+                                 and self.kv_transfer_config is None
+                                 and self.pipeline_parallel_size == 1),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.attention.kv_cache import KVCacheSpec
 from pagedserve.config import EngineConfig
+from pagedserve.core.kv_cache_groups import KVCacheLayout
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
@@ -122,13 +123,17 @@ class LLMEngine:
             num_blocks = self.executor.determine_num_kv_blocks()
             self.executor.initialize_kv_cache(num_blocks)
             phase.detail = (f"{num_blocks} blocks of {config.cache.block_size} tokens = "
-                            f"{num_blocks * config.cache.block_size} tokens")
+                            f"{num_blocks * config.cache.block_size} tokens"
+                            + _describe_kv_cache_groups(
+                                config.model.kv_cache_layout(config.cache.hybrid_kv_cache)))
         self.events = EventBus()
         """Request, step and block events (observability/events.py); subscribe to observe."""
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks=num_blocks,
                                    connector=self._create_kv_connector(tier_options, num_blocks),
                                    max_loras=config.lora.max_loras if config.lora else None,
-                                   events=self.events)
+                                   events=self.events,
+                                   kv_cache_group_windows=config.model.kv_cache_layout(
+                                       config.cache.hybrid_kv_cache).windows)
         self.lora_registry = (
             LoRARegistry(config.lora, config.model, self.executor.add_lora,
                          self.executor.remove_lora)
@@ -598,9 +603,11 @@ class LLMEngine:
         breakdown["grammar_cache"] = {
             "entries": self.structured_output_manager.num_cached_grammars,
             "bytes": None}  # llguidance does not report the size of a compiled grammar
+        manager = self.scheduler.kv_cache_manager
+        breakdown["kv_pool"]["kv_cache_group_windows"] = list(manager.group_windows)
         breakdown["capacity"] = memory.capacity_report(
             pool.num_blocks, self.config.cache.block_size, self.config.scheduler.max_model_len,
-            bytes_per_block)
+            bytes_per_block, manager.max_blocks_for)
         return breakdown
 
     # ---- LoRA adapters ----------------------------------------------------------------------
@@ -802,3 +809,16 @@ class LLMEngine:
         problems += self.executor.check_idle()
         if problems:
             raise RuntimeError("engine not idle: " + "; ".join(problems))
+
+
+def _describe_kv_cache_groups(layout: KVCacheLayout) -> str:
+    """For the start-up log: how the pool's blocks are shared ("" for one global group)."""
+    if layout.windows == (None,):
+        return ""
+    if layout.num_groups == 1:
+        return f" (every layer's window is {layout.windows[0]}: blocks it passed are freed)"
+    num_global = sum(window is None for window in layout.windows)
+    windows = sorted({window for window in layout.windows if window is not None})
+    return (f" of {layout.layers_per_block} layers each, in {layout.num_groups} KV cache groups "
+            f"({num_global} global, {layout.num_groups - num_global} with a window of "
+            f"{'/'.join(map(str, windows))} that frees the blocks it passed)")

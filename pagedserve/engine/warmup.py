@@ -37,6 +37,7 @@ def warm_up(executor: Executor, config: EngineConfig, num_blocks: int,
     pool or the step budget is too small for it, which only tests' tiny engines are)."""
     block_size = config.cache.block_size
     vocab_size = config.model.vocab_size
+    num_groups = config.model.kv_cache_layout(config.cache.hybrid_kv_cache).num_groups
     long_len = min(plan.long_prompt_len, config.scheduler.max_num_batched_tokens,
                    config.scheduler.max_model_len - plan.num_decode_steps - 1)
     prompt_lens = (long_len, min(plan.short_prompt_len, long_len))
@@ -54,8 +55,10 @@ def warm_up(executor: Executor, config: EngineConfig, num_blocks: int,
                                                             params):
         # Spread over the vocabulary, deterministic: junk text, real embedding rows.
         token_ids = [(7919 * i + 13) % vocab_size for i in range(prompt_len)]
+        # every KV cache group in the same blocks: the KV is junk either way
         new = NewRequestData(req_id, token_ids, prompt_len, sampling,
-                             list(range(first_block, first_block + num_req_blocks)), 0)
+                             (list(range(first_block, first_block + num_req_blocks)),)
+                             * num_groups, 0)
         first_block += num_req_blocks
         output = executor.execute_model(SchedulerOutput(
             [new], CachedRequestData(), {req_id: prompt_len}, prompt_len, set(),
@@ -64,7 +67,7 @@ def warm_up(executor: Executor, config: EngineConfig, num_blocks: int,
         num_computed[req_id] = prompt_len
     for _ in range(plan.num_decode_steps):  # both requests decode together
         cached = CachedRequestData(
-            req_ids=list(req_ids), new_block_ids=[[] for _ in req_ids],
+            req_ids=list(req_ids), new_block_ids=[([],) * num_groups for _ in req_ids],
             num_computed_tokens=[num_computed[r] for r in req_ids],
             new_token_ids=[[last_tokens[r]] for r in req_ids])
         output = executor.execute_model(SchedulerOutput(

@@ -113,6 +113,8 @@ VLLM_SERVE_FLAGS: tuple[VLLMFlag, ...] = (
              ("fp8_e4m3",)),
     VLLMFlag("--num-gpu-blocks-override", _S, "fixes the block count", ("64",)),
     VLLMFlag("--enable-prefix-caching", _S, "default on; --no-enable-prefix-caching"),
+    VLLMFlag("--disable-hybrid-kv-cache-manager", _S, "one block table for every layer: "
+             "windowed layers keep every block (so it is with KV tiers and pipeline stages)"),
     VLLMFlag("--prefix-caching-hash-algo", _I, "one block hash (see core/block_hash.py)",
              ("sha256",)),
     VLLMFlag("--swap-space", _I, "a preempted request recomputes its KV; there is no device "

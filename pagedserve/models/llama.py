@@ -281,6 +281,8 @@ class LlamaModel(StagedDecoder):
         meta = get_forward_context()
         if self._smallest_window is not None and max(meta.seq_lens) > self._smallest_window:
             return None
+        if meta.other_groups:  # the stack reads one block table for every layer
+            return None
         return run_decoder_stack(stack, hidden_states, positions, meta, end_layer, lora_step)
 
 

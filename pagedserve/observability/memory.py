@@ -158,14 +158,17 @@ def tensors_bytes(tensors) -> int:
 
 
 def capacity_report(num_blocks: int, block_size: int, max_model_len: int,
-                    bytes_per_block: int) -> list[dict]:
+                    bytes_per_block: int, blocks_for=None) -> list[dict]:
     """For each context length up to max_model_len: how many requests of that length (prompt
-    plus output) the pool holds at once, with no prefix shared."""
+    plus output) the pool holds at once, with no prefix shared. blocks_for: a request's blocks
+    at a context length, every KV cache group's (KVCacheManager.max_blocks_for; None: one
+    block per block_size tokens)."""
     usable_blocks = num_blocks - 1  # block 0 is reserved
     contexts = [c for c in CAPACITY_CONTEXTS if c < max_model_len] + [max_model_len]
     report = []
     for context_len in contexts:
-        blocks_per_request = -(-context_len // block_size)
+        blocks_per_request = (blocks_for(context_len) if blocks_for is not None
+                              else -(-context_len // block_size))
         report.append({"context_len": context_len,
                        "max_requests": usable_blocks // blocks_per_request,
                        "kv_bytes_per_request": blocks_per_request * bytes_per_block})

@@ -16,7 +16,7 @@ import torch
 from pagedserve.attention import forward_context
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.kv_cache import KVCache, KVCacheSpec
-from pagedserve.attention.metadata import build_attention_metadata
+from pagedserve.attention.metadata import build_grouped_attention_metadata
 from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
 from pagedserve.core.outputs import (
     GrammarOutput,
@@ -51,7 +51,10 @@ class CachedRequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams | None
     """None for a pooling request."""
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    """Its block table per KV cache group. A windowed group's keeps the ids of blocks the
+    scheduler has let go of (another request may hold them now): its layers never read blocks
+    their window has passed (attention/paged.py)."""
     num_computed_tokens: int
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
@@ -89,10 +92,21 @@ class ModelRunner:
         self._pending_sends: list = []
         self._sent_tensors: list[torch.Tensor] = []
         """Hidden states sent to the next pipeline stage, kept alive until the send is done."""
+        layout = model_config.kv_cache_layout(cache_config.hybrid_kv_cache)
+        self.num_kv_cache_groups = layout.num_groups
+        self.layer_groups: tuple[int, ...] = ()
+        """Per local layer, its KV cache group (core/kv_cache_groups.py); (): one group."""
+        layer_slots: tuple[int, ...] = ()
+        if layout.num_groups > 1:
+            if self.num_local_layers != layout.num_layers:
+                raise ValueError("KV cache groups need every layer on one rank (a pipeline "
+                                 "stage runs with CacheConfig.hybrid_kv_cache off)")
+            self.layer_groups, layer_slots = layout.layer_groups(), layout.layer_slots()
         self.kv_cache_spec = KVCacheSpec.create(
             cache_config.cache_dtype, self.dtype, self.num_local_layers, self.num_local_kv_heads,
-            model_config.head_dim, self.block_size)
-        """This rank's layers and KV heads; int8/fp8 codes with scales or the compute dtype."""
+            model_config.head_dim, self.block_size, layer_slots)
+        """This rank's layers and KV heads; int8/fp8 codes with scales or the compute dtype;
+        layers of different KV cache groups share slots."""
         self.kv_caches: list[KVCache] = []
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
@@ -196,7 +210,7 @@ class ModelRunner:
                 token_ids=list(data.token_ids),
                 num_prompt_tokens=data.num_prompt_tokens,
                 sampling_params=params,
-                block_ids=list(data.block_ids),
+                block_ids=tuple(list(ids) for ids in data.block_ids),
                 num_computed_tokens=data.num_computed_tokens,
                 generator=generator,
                 output_token_ids=list(data.token_ids[data.num_prompt_tokens :]),
@@ -210,7 +224,8 @@ class ModelRunner:
             cached.new_token_ids,
         ):
             state = self.requests[req_id]
-            state.block_ids.extend(new_block_ids)
+            for table, new_ids in zip(state.block_ids, new_block_ids):
+                table.extend(new_ids)
             state.num_computed_tokens = num_computed
             # A rank that samples has these tokens already; another pipeline stage learns them
             # here. | known to this rank | new_token_ids[missing:] |
@@ -262,10 +277,10 @@ class ModelRunner:
             positions.extend(range(start, start + num_tokens))
 
         device = self.device
-        meta = build_attention_metadata(
+        meta = build_grouped_attention_metadata(
             [(s.block_ids, s.num_computed_tokens, s.num_computed_tokens + n)
              for s, n in zip(states, num_scheduled)],
-            self.block_size, self.kv_caches, device)
+            self.block_size, self.kv_caches, device, self.layer_groups)
         query_start_loc = meta.query_start_loc
         input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
@@ -352,8 +367,10 @@ class ModelRunner:
         first blocks, which no request holds yet."""
         end = context_len + num_tokens
         block_ids = list(range(1, 1 + -(-end // self.block_size)))
-        meta = build_attention_metadata([(block_ids, context_len, end)], self.block_size,
-                                        self.kv_caches, self.device)
+        # (every group in the same blocks: junk KV either way)
+        meta = build_grouped_attention_metadata(
+            [((block_ids,) * self.num_kv_cache_groups, context_len, end)], self.block_size,
+            self.kv_caches, self.device, self.layer_groups)
         input_ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,),
                                   device=self.device)
         positions = torch.arange(context_len, end, device=self.device)

@@ -155,3 +155,31 @@ def test_sliding_window_and_scale_match_reference(backend, query_lens, context_l
     # and the window acted: without it the output differs
     unwindowed = reference_paged_attention(q, key_cache, value_cache, meta, scale)
     assert not torch.allclose(unwindowed, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "query_lens,context_lens",
+    [
+        ([1, 1, 1], [30, 45, 3]),  # decodes past the window (and one inside it)
+        ([1, 6, 2 * PREFILL_QUERY_BLOCK + 5], [37, 40, 29]),  # chunks after a long context
+    ],
+)
+def test_a_window_reads_no_block_it_has_passed(backend, query_lens, context_lens):
+    """A windowed KV cache group lets go of the blocks its window has passed, and another
+    request may reuse them: the layer must not read them at all. Here they hold NaN, which
+    masking alone would not stop (0 * NaN in the product with V)."""
+    q, key_cache, value_cache, meta = build_batch(backend, query_lens, context_lens)
+    window = 9
+    expected = reference_paged_attention(q, key_cache, value_cache, meta, 0.1, window)
+    table = meta.block_table.clone()
+    reused = next(b for b in range(1, key_cache.shape[1]) if b not in set(table.flatten().tolist()))
+    num_let_go = 0
+    for i, context_len in enumerate(context_lens):
+        first = max(0, context_len - window + 1) // BLOCK_SIZE
+        table[i, :first] = reused
+        num_let_go += first
+    assert num_let_go > 0
+    key_cache[:, reused], value_cache[:, reused] = float("nan"), float("nan")
+    meta.block_table = table
+    actual = backend.forward(q, (key_cache, value_cache), meta, 0.1, window)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)

@@ -135,7 +135,7 @@ def test_chain_tail_is_evicted_first_when_a_request_is_freed():
     request = make_request("a", prompt)
     assert manager.allocate_slots(request, len(prompt)) is not None
     request.num_computed_tokens = len(prompt)  # the step ran
-    block_ids = manager.get_block_ids("a")
+    block_ids = manager.get_block_ids("a")[0]
     assert block_ids == [1, 2, 3, 4]
     assert [manager.block_pool.blocks[i].block_hash is not None for i in block_ids] == [
         True, True, True, False,
@@ -153,7 +153,7 @@ def test_chain_tail_is_evicted_first_when_a_request_is_freed():
     assert manager.block_pool.get_cached_block(hashes[2]) is None
     assert manager.block_pool.get_cached_block(hashes[0]).block_id == 1
     assert manager.block_pool.get_cached_block(hashes[1]).block_id == 2
-    hits, num_hit_tokens = manager.get_computed_blocks(make_request("b", prompt))
+    (hits,), num_hit_tokens = manager.get_computed_blocks(make_request("b", prompt))
     assert [b.block_id for b in hits] == [1, 2]
     assert num_hit_tokens == 8
     manager.block_pool.check_integrity()
@@ -174,7 +174,7 @@ def test_reset_prefix_cache():
     assert manager.reset_prefix_cache() is True
     assert not pool._cached
     assert all(block.block_hash is None for block in pool.blocks)
-    assert manager.get_computed_blocks(make_request("b", prompt)) == ([], 0)
+    assert manager.get_computed_blocks(make_request("b", prompt)) == (([],), 0)
     pool.check_integrity()
 
 
@@ -243,7 +243,7 @@ def test_manager_check_integrity_catches_ref_cnt_not_matching_block_tables():
     request = make_request("a", list(range(6)))
     manager.allocate_slots(request, 6)
     manager.check_integrity()
-    block = manager.req_to_blocks["a"][0]
+    block = manager.req_to_blocks["a"][0][0]
     manager.block_pool.touch([block])  # a reference no block table accounts for
     manager.block_pool.check_integrity()  # the pool alone cannot see it
     with pytest.raises(RuntimeError, match="block tables"):

@@ -31,11 +31,12 @@ def hashes_of(token_ids: list[int], cache_salt: str | None = None) -> list[bytes
 
 def admit(manager: KVCacheManager, request: Request):
     """What the scheduler does for a waiting request: look up hits, allocate the rest."""
-    hits, num_hit_tokens = manager.get_computed_blocks(request)
-    new_blocks = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits)
-    if new_blocks is not None:
-        request.num_computed_tokens = request.num_tokens
-    return hits, num_hit_tokens, new_blocks
+    (hits,), num_hit_tokens = manager.get_computed_blocks(request)
+    new_blocks = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, (hits,))
+    if new_blocks is None:
+        return hits, num_hit_tokens, None
+    request.num_computed_tokens = request.num_tokens
+    return hits, num_hit_tokens, new_blocks[0]
 
 
 # ---- hashes -----------------------------------------------------------------------------------
@@ -93,18 +94,18 @@ def test_get_computed_blocks_finds_longest_cached_prefix():
     prompt = list(range(100, 114))  # 14 tokens: 3 full blocks
     admit(manager, make_request("a", prompt))
 
-    hits, num_hit_tokens = manager.get_computed_blocks(make_request("same", prompt))
+    (hits,), num_hit_tokens = manager.get_computed_blocks(make_request("same", prompt))
     assert num_hit_tokens == 12
-    assert [b.block_id for b in hits] == manager.get_block_ids("a")[:3]
+    assert [b.block_id for b in hits] == manager.get_block_ids("a")[0][:3]
 
     diverges_in_block_2 = prompt[:9] + [0] * 5
-    hits, num_hit_tokens = manager.get_computed_blocks(make_request("b", diverges_in_block_2))
+    (hits,), num_hit_tokens = manager.get_computed_blocks(make_request("b", diverges_in_block_2))
     assert num_hit_tokens == 8 and len(hits) == 2
 
     diverges_in_block_0 = [0] + prompt[1:]
-    assert manager.get_computed_blocks(make_request("c", diverges_in_block_0)) == ([], 0)
+    assert manager.get_computed_blocks(make_request("c", diverges_in_block_0)) == (([],), 0)
     salted = make_request("d", prompt, cache_salt="tenant-2")
-    assert manager.get_computed_blocks(salted) == ([], 0)
+    assert manager.get_computed_blocks(salted) == (([],), 0)
     manager.check_integrity()
 
 
@@ -119,7 +120,7 @@ def test_last_token_is_always_recomputed_for_a_block_aligned_prompt():
     # Not 12: the last prompt token must run through the model to give the first new token.
     assert num_hit_tokens == 8
     assert len(new_blocks) == 1
-    a_ids, b_ids = manager.get_block_ids("a"), manager.get_block_ids("b")
+    a_ids, b_ids = manager.get_block_ids("a")[0], manager.get_block_ids("b")[0]
     assert b_ids[:2] == a_ids[:2] and b_ids[2] != a_ids[2]
     # b computed the last block again; the index keeps a's copy, b's stays private.
     assert manager.block_pool.blocks[b_ids[2]].block_hash is None
@@ -147,13 +148,13 @@ def test_caching_disabled_and_prompt_logprobs_get_no_hits():
     manager = KVCacheManager(num_blocks=32, block_size=BLOCK_SIZE, enable_caching=False)
     admit(manager, make_request("a", prompt))
     assert not manager.block_pool._cached
-    assert manager.get_computed_blocks(make_request("b", prompt)) == ([], 0)
+    assert manager.get_computed_blocks(make_request("b", prompt)) == (([],), 0)
 
     manager = KVCacheManager(num_blocks=32, block_size=BLOCK_SIZE)
     admit(manager, make_request("a", prompt))
     # Prompt logprobs need the logits of every prompt position.
-    assert manager.get_computed_blocks(make_request("b", prompt, prompt_logprobs=0)) == ([], 0)
-    assert len(manager.get_computed_blocks(make_request("c", prompt))[0]) == 2
+    assert manager.get_computed_blocks(make_request("b", prompt, prompt_logprobs=0)) == (([],), 0)
+    assert len(manager.get_computed_blocks(make_request("c", prompt))[0][0]) == 2
 
 
 def test_blocks_completed_by_decoding_are_cached():
@@ -171,9 +172,9 @@ def test_blocks_completed_by_decoding_are_cached():
     manager.allocate_slots(a, 1)  # computes token 8: block 1 becomes full
     a.num_computed_tokens += 1
     assert len(manager.block_pool._cached) == 2
-    hits, num_hit_tokens = manager.get_computed_blocks(make_request("b", list(range(1, 12))))
+    (hits,), num_hit_tokens = manager.get_computed_blocks(make_request("b", list(range(1, 12))))
     assert num_hit_tokens == 8
-    assert [b.block_id for b in hits] == manager.get_block_ids("a")[:2]
+    assert [b.block_id for b in hits] == manager.get_block_ids("a")[0][:2]
 
 
 # ---- allocation -------------------------------------------------------------------------------
@@ -182,8 +183,8 @@ def test_blocks_completed_by_decoding_are_cached():
 def test_allocate_slots_returns_none_when_short_and_changes_nothing():
     manager = KVCacheManager(num_blocks=5, block_size=BLOCK_SIZE)  # 4 usable blocks
     request = make_request("big", list(range(17)))  # needs 5 blocks
-    hits, num_hit_tokens = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(request, 17, hits) is None
+    (hits,), num_hit_tokens = manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, 17, (hits,)) is None
     assert "big" not in manager.req_to_blocks
     assert manager.block_pool.num_free_blocks == 4
     assert (manager.prefix_cache_stats.queries, manager.prefix_cache_stats.hits) == (0, 0)
@@ -197,7 +198,7 @@ def test_allocate_slots_returns_none_when_short_and_changes_nothing():
     assert manager.block_pool.num_free_blocks == 0
     small.append_output_token_ids([99])
     assert manager.allocate_slots(small, 1) is None
-    assert len(manager.get_block_ids("small")) == 2
+    assert len(manager.get_block_ids("small")[0]) == 2
     manager.check_integrity()
 
 
@@ -214,10 +215,10 @@ def test_hits_in_the_free_queue_are_not_counted_as_free_blocks():
     # 17 tokens = 5 blocks: 2 hits (both free) + 3 new. Only 4 - 2 = 2 blocks stay free once the
     # hits are taken, so this must fail rather than count the hits twice.
     too_big = make_request("too_big", prefix + list(range(200, 209)))
-    hits, num_hit_tokens = manager.get_computed_blocks(too_big)
+    (hits,), num_hit_tokens = manager.get_computed_blocks(too_big)
     assert num_hit_tokens == 8 and all(block.ref_cnt == 0 for block in hits)
     queue_before = [b.block_id for b in pool.free_queue()]
-    assert manager.allocate_slots(too_big, too_big.num_tokens - num_hit_tokens, hits) is None
+    assert manager.allocate_slots(too_big, too_big.num_tokens - num_hit_tokens, (hits,)) is None
     assert [b.block_id for b in pool.free_queue()] == queue_before
     assert all(block.ref_cnt == 0 and block.block_hash is not None for block in hits)
     assert manager.prefix_cache_stats.hits == 0
@@ -227,7 +228,7 @@ def test_hits_in_the_free_queue_are_not_counted_as_free_blocks():
     fits = make_request("fits", prefix + list(range(200, 208)))
     hits, num_hit_tokens, new_blocks = admit(manager, fits)
     assert num_hit_tokens == 8 and len(new_blocks) == 2
-    assert manager.get_block_ids("fits")[:2] == [b.block_id for b in hits]
+    assert manager.get_block_ids("fits")[0][:2] == [b.block_id for b in hits]
     assert pool.num_free_blocks == 0
     manager.check_integrity()
 
@@ -239,7 +240,7 @@ def test_requests_with_the_same_prompt_share_blocks():
     results = [admit(manager, request) for request in requests]
     assert [num_hit_tokens for _, num_hit_tokens, _ in results] == [0, 8, 8]
 
-    tables = [manager.get_block_ids(r.request_id) for r in requests]
+    tables = [manager.get_block_ids(r.request_id)[0] for r in requests]
     shared = tables[0][:2]
     assert all(table[:2] == shared for table in tables)
     assert [manager.block_pool.blocks[i].ref_cnt for i in shared] == [3, 3]
@@ -279,6 +280,6 @@ def test_free_uncaches_blocks_scheduled_but_not_computed():
     assert len(manager.block_pool._cached) == 4
     manager.free(request)  # preempted before that step ran
     assert len(manager.block_pool._cached) == 2
-    hits, num_hit_tokens = manager.get_computed_blocks(make_request("b", prompt))
+    (hits,), num_hit_tokens = manager.get_computed_blocks(make_request("b", prompt))
     assert num_hit_tokens == 8
     manager.check_integrity()

@@ -37,14 +37,18 @@ def kv_value(previous: int, position: int, token_id: int) -> int:
     return hash((previous, position, token_id))
 
 
-def fake_next_token(kv_values: list[int]) -> int:
-    return hash(tuple(kv_values)) % VOCAB_SIZE
+def fake_next_token(kv_values: list[int], layer_windows: tuple[int | None, ...] = (None,)) -> int:
+    """The fake model's next token: each of its layers sees the last `window` positions' KV (None:
+    all of them)."""
+    seen = [kv_values[-window:] if window else kv_values for window in layer_windows]
+    return hash(tuple(value for layer in seen for value in layer)) % VOCAB_SIZE
 
 
 @dataclass
 class RunnerRequestState:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    """One block table per KV cache group."""
     num_computed_tokens: int
     expected_kv: list[int] = field(default_factory=list)
     """kv_value of each position of token_ids so far: what the cache must hold."""
@@ -64,7 +68,13 @@ class FakeModelRunner:
         num_speculative_tokens: int = 0,
         draft_accuracy: float = 0.7,
         spec_seed: int = 0,
+        layer_windows: tuple[int | None, ...] = (None,),
+        layer_groups: tuple[int, ...] = (0,),
     ) -> None:
+        """layer_windows: the fake model's layers' sliding windows (None: global); layer_groups:
+        per layer, the KV cache group whose block table it reads and writes."""
+        self.layer_windows = layer_windows
+        self.layer_groups = layer_groups
         self.block_size = block_size
         self.kv_cache: list[int | None] = [None] * (num_blocks * block_size)
         self.requests: dict[str, RunnerRequestState] = {}
@@ -72,9 +82,9 @@ class FakeModelRunner:
         self.draft_accuracy = draft_accuracy
         self.spec_rng = random.Random(spec_seed)
 
-    def _slot(self, state: RunnerRequestState, position: int) -> int:
-        block_id = state.block_ids[position // self.block_size]
-        assert block_id != 0, "the null block is never part of a request's block table"
+    def _slot(self, state: RunnerRequestState, position: int, group: int = 0) -> int:
+        block_id = state.block_ids[group][position // self.block_size]
+        assert block_id != 0, "the null block is read or written"
         return block_id * self.block_size + position % self.block_size
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -83,7 +93,8 @@ class FakeModelRunner:
         for data in scheduler_output.scheduled_new_reqs:
             assert data.req_id not in self.requests, f"{data.req_id} sent as new twice"
             self.requests[data.req_id] = RunnerRequestState(
-                list(data.token_ids), list(data.block_ids), data.num_computed_tokens
+                list(data.token_ids), tuple(list(ids) for ids in data.block_ids),
+                data.num_computed_tokens
             )
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(
@@ -91,7 +102,8 @@ class FakeModelRunner:
         ):
             state = self.requests[req_id]
             assert state.num_computed_tokens == num_computed, (req_id, state.num_computed_tokens)
-            state.block_ids.extend(new_block_ids)
+            for table, new_ids in zip(state.block_ids, new_block_ids, strict=True):
+                table.extend(new_ids)
 
         # Like a forward pass: every scheduled token's KV is written before anything is read.
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -104,13 +116,15 @@ class FakeModelRunner:
                 assert end == len(state.token_ids) + len(drafts), f"{req_id}: drafts not the tail"
             else:
                 assert end <= len(state.token_ids), f"{req_id} scheduled past its known tokens"
-            assert end <= len(state.block_ids) * self.block_size, f"{req_id} has too few blocks"
+            assert all(end <= len(table) * self.block_size for table in state.block_ids), (
+                f"{req_id} has too few blocks")
             expected = list(state.expected_kv_upto(min(end, len(state.token_ids))))
             for position, token_id in enumerate(drafts, start=len(state.token_ids)):
                 expected.append(kv_value(expected[-1], position, token_id))
             draft_kv[req_id] = expected[len(state.token_ids) :]
             for position in range(state.num_computed_tokens, end):
-                self.kv_cache[self._slot(state, position)] = expected[position]
+                for group in set(self.layer_groups):
+                    self.kv_cache[self._slot(state, position, group)] = expected[position]
 
         output = ModelRunnerOutput()
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -120,14 +134,18 @@ class FakeModelRunner:
             if state.num_computed_tokens < len(state.token_ids):
                 continue  # a prompt chunk that does not reach the end samples nothing
             seq_len = len(state.token_ids)
-            kv_read = [self.kv_cache[self._slot(state, p)] for p in range(seq_len + len(drafts))]
             expected = state.expected_kv_upto(seq_len) + draft_kv[req_id]
-            bad = [p for p in range(len(kv_read)) if kv_read[p] != expected[p]]
-            assert not bad, f"{req_id} reads wrong KV at positions {bad}"
+            # Each layer reads what its window sees from the first query that samples on.
+            for window, group in zip(self.layer_windows, self.layer_groups):
+                first = max(0, seq_len - window) if window else 0
+                bad = [p for p in range(first, seq_len + len(drafts))
+                       if self.kv_cache[self._slot(state, p, group)] != expected[p]]
+                assert not bad, f"{req_id} reads wrong KV at positions {bad} (group {group})"
             # Greedy verification: accept drafts while they match what the model samples.
             sampled = []
             for num_accepted in range(len(drafts) + 1):
-                sampled.append(fake_next_token(kv_read[: seq_len + num_accepted]))
+                sampled.append(fake_next_token(expected[: seq_len + num_accepted],
+                                               self.layer_windows))
                 if num_accepted == len(drafts) or sampled[-1] != drafts[num_accepted]:
                     break
             state.token_ids.extend(sampled)
@@ -143,7 +161,7 @@ class FakeModelRunner:
         kv = list(state.expected_kv_upto(len(state.token_ids)))
         drafts = []
         for _ in range(rng.randint(0, self.num_speculative_tokens)):
-            token_id = fake_next_token(kv)
+            token_id = fake_next_token(kv, self.layer_windows)
             if rng.random() >= self.draft_accuracy:
                 token_id = rng.randrange(VOCAB_SIZE)
             kv.append(kv_value(kv[-1], len(kv), token_id))
@@ -161,17 +179,25 @@ class Harness:
         enable_prefix_caching: bool = True,
         num_speculative_tokens: int = 0,
         spec_seed: int = 0,
+        layer_windows: tuple[int | None, ...] = (None,),
+        hybrid: bool = True,
         **scheduler_kwargs,
     ) -> None:
+        """layer_windows: the fake model's layers' sliding windows; hybrid: a KV cache group
+        per layer (else one group that keeps every block, each layer masking its window)."""
         scheduler_kwargs.setdefault("max_model_len", 1024)
         scheduler_kwargs.setdefault("max_num_seqs", 16)
+        group_windows = layer_windows if hybrid else (None,)
         self.scheduler = Scheduler(
             SchedulerConfig(**scheduler_kwargs),
             CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
             num_blocks=num_blocks,
+            kv_cache_group_windows=group_windows,
         )
         self.runner = FakeModelRunner(
-            num_blocks, block_size, num_speculative_tokens, spec_seed=spec_seed
+            num_blocks, block_size, num_speculative_tokens, spec_seed=spec_seed,
+            layer_windows=layer_windows,
+            layer_groups=tuple(range(len(layer_windows))) if hybrid else (0,) * len(layer_windows),
         )
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.finish_reasons: dict[str, str] = {}
@@ -251,13 +277,17 @@ def prompt_of(length: int, seed: int = 0) -> list[int]:
     return [(seed * 7919 + i * 31) % VOCAB_SIZE for i in range(length)]
 
 
-def run_alone(request: Request, max_model_len: int = 1024) -> tuple[list[int], str]:
-    """The reference: the same request alone, on a big pool, no chunking, no prefix cache."""
+def run_alone(request: Request, max_model_len: int = 1024,
+              layer_windows: tuple[int | None, ...] = (None,)) -> tuple[list[int], str]:
+    """The reference: the same request alone, on a big pool, no chunking, no prefix cache, one
+    KV cache group that keeps every block (windowed layers read only their window)."""
     harness = Harness(
         num_blocks=1024,
         enable_prefix_caching=False,
         max_model_len=max_model_len,
         max_num_batched_tokens=4096,
+        layer_windows=layer_windows,
+        hybrid=False,
     )
     params = request.sampling_params.clone()
     harness.add(
@@ -284,7 +314,7 @@ def test_fake_runner_detects_a_corrupted_kv_cache():
     harness.add(make_request("a", prompt_of(10), max_tokens=4))
     harness.step()
     harness.step()
-    slot = harness.runner.requests["a"].block_ids[0] * 4
+    slot = harness.runner.requests["a"].block_ids[0][0] * 4
     harness.runner.kv_cache[slot] = 12345
     with pytest.raises(AssertionError, match="wrong KV at positions \\[0\\]"):
         harness.step()
@@ -673,8 +703,8 @@ def test_same_prompt_requests_hit_blocks_scheduled_in_the_same_step():
     out = harness.step()
     assert out.num_scheduled_tokens == {"0_req": 18, "1_req": 2, "2_req": 2}
     table = harness.scheduler.kv_cache_manager.req_to_blocks
-    shared = table["0_req"][:4]
-    assert all(table[r.request_id][:4] == shared for r in requests)
+    shared = table["0_req"][0][:4]
+    assert all(table[r.request_id][0][:4] == shared for r in requests)
     assert [block.ref_cnt for block in shared] == [3, 3, 3, 3]
     harness.run()
     assert [harness.num_cached_tokens[r.request_id] for r in requests] == [0, 16, 16]

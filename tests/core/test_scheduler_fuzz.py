@@ -4,7 +4,9 @@ Random arrivals, prompt lengths, max_tokens, priorities, cache salts, aborts and
 on 23 usable blocks of 4 tokens force chunking, prefix hits and preemptions together. The fake
 runner (see test_scheduler.py) checks every KV read, and each request's output must equal what
 the fake model gives it alone on a big pool. With speculation on, the fake runner proposes random
-drafts (some right, some wrong) and the outputs must still be those of the plain run alone.
+drafts (some right, some wrong) and the outputs must still be those of the plain run alone. With
+windowed layers, each layer in its own KV cache group, the windows let go of blocks as requests
+run, and the outputs must be those of one group that keeps every block.
 """
 
 from __future__ import annotations
@@ -59,19 +61,27 @@ def random_requests(rng: random.Random, num_requests: int) -> list[tuple[int, Re
     return sorted(arrivals, key=lambda pair: pair[0])
 
 
+LAYER_WINDOWS = {"global": (None,), "windowed": (None, 6, 9)}
+"""The fake model's layers: all global, or Gemma-3-like, one global layer and two windowed ones,
+each in its own KV cache group (their windows let go of blocks, the references keep them)."""
+
+
+@pytest.mark.parametrize("layers", LAYER_WINDOWS)
 @pytest.mark.parametrize("num_speculative_tokens", [0, 3])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workload_keeps_invariants_and_outputs(seed, num_speculative_tokens):
+def test_random_workload_keeps_invariants_and_outputs(seed, num_speculative_tokens, layers):
     rng = random.Random(seed)
     config = random_config(rng)
     enable_prefix_caching = seed != 3
+    layer_windows = LAYER_WINDOWS[layers]
     harness = Harness(
-        num_blocks=NUM_BLOCKS,
+        num_blocks=NUM_BLOCKS + 3 * (len(layer_windows) - 1),
         block_size=BLOCK_SIZE,
         enable_prefix_caching=enable_prefix_caching,
         max_model_len=MAX_MODEL_LEN,
         num_speculative_tokens=num_speculative_tokens,
         spec_seed=seed,
+        layer_windows=layer_windows,
         **config,
     )
     arrivals = random_requests(rng, num_requests=40)
@@ -95,6 +105,8 @@ def test_random_workload_keeps_invariants_and_outputs(seed, num_speculative_toke
 
     stats = harness.scheduler.stats()
     assert stats.num_preemptions > 0
+    if len(layer_windows) > 1:
+        assert harness.scheduler.kv_cache_manager.num_window_freed_blocks > 0
     if config["enable_chunked_prefill"]:
         num_split_prompts = sum(
             data.num_computed_tokens + out.num_scheduled_tokens[data.req_id] < len(data.token_ids)
@@ -114,7 +126,7 @@ def test_random_workload_keeps_invariants_and_outputs(seed, num_speculative_toke
     assert aborted and len(harness.finish_reasons) == len(requests) - len(aborted)
 
     for request in requests:
-        reference, finish_reason = run_alone(request, MAX_MODEL_LEN)
+        reference, finish_reason = run_alone(request, MAX_MODEL_LEN, layer_windows)
         if request.request_id in aborted:
             # Aborted midway: whatever it produced is a prefix of its own output.
             produced = harness.outputs.get(request.request_id, [])

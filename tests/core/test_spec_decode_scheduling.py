@@ -115,7 +115,7 @@ def test_draft_tokens_never_enter_the_prefix_cache_index():
     out = harness.step()  # computes positions 5..7: block 1 is full, but 6 and 7 are drafts
     assert out.scheduled_spec_decode_tokens["a"]
     manager = harness.scheduler.kv_cache_manager
-    block_1 = manager.req_to_blocks["a"][1]
+    block_1 = manager.req_to_blocks["a"][0][1]
     assert block_1.block_hash is None
     assert manager.num_cached_blocks["a"] == 1
     harness.run()

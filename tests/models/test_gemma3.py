@@ -70,12 +70,36 @@ def generate_ids(llm) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain_gemma3_outputs(tiny_gemma3) -> list[list[int]]:
-    """No chunking, no prefix caching, room for every request at once."""
+    """No chunking, no prefix caching, room for every request at once, and one block table for
+    both layers (the windowed layer keeps every block and masks)."""
     llm = make_tiny_llm(tiny_gemma3[0], enable_chunked_prefill=False,
-                        enable_prefix_caching=False, max_num_batched_tokens=512)
+                        enable_prefix_caching=False, max_num_batched_tokens=512,
+                        disable_hybrid_kv_cache_manager=True)
+    assert llm.engine.scheduler.kv_cache_manager.group_windows == (None,)
     outputs = generate_ids(llm)
     llm.engine.assert_idle()
     return outputs
+
+
+def window_freed_blocks(llm) -> int:
+    return llm.engine.scheduler.kv_cache_manager.num_window_freed_blocks
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_gemma3_windowed_layer_lets_go_of_blocks_and_keeps_output(tiny_gemma3,
+                                                                   plain_gemma3_outputs,
+                                                                   cpu_kernels):
+    """Per-layer-group KV (vLLM's hybrid allocator): the windowed layer's group frees the blocks
+    its window has passed; the output is the one that kept every block."""
+    llm = make_tiny_llm(tiny_gemma3[0], enable_chunked_prefill=False,
+                        enable_prefix_caching=False, max_num_batched_tokens=512,
+                        cpu_kernels=cpu_kernels)
+    manager = llm.engine.scheduler.kv_cache_manager
+    assert manager.group_windows == (None, GEMMA3_SLIDING_WINDOW)
+    outputs = generate_ids(llm)
+    assert window_freed_blocks(llm) > 0
+    assert outputs == plain_gemma3_outputs
+    llm.engine.assert_idle()
 
 
 def test_gemma3_chunked_prefill_keeps_output(tiny_gemma3, plain_gemma3_outputs):
@@ -89,6 +113,7 @@ def test_gemma3_chunked_prefill_keeps_output(tiny_gemma3, plain_gemma3_outputs):
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             num_chunks[req_id] = num_chunks.get(req_id, 0) + (num_tokens > 1)
     assert max(num_chunks.values()) > 1, "no prompt was chunked"
+    assert window_freed_blocks(llm) > 0
     assert outputs == plain_gemma3_outputs
     llm.engine.assert_idle()
 
@@ -98,17 +123,19 @@ def test_gemma3_prefix_caching_keeps_output(tiny_gemma3, plain_gemma3_outputs):
     first = generate_ids(llm)
     second = generate_ids(llm)
     stats = llm.engine.get_stats()
-    assert stats.prefix_cache_hits > 0
+    assert stats.prefix_cache_hits > 0 and window_freed_blocks(llm) > 0
     assert first == second == plain_gemma3_outputs
     llm.engine.assert_idle()
 
 
 def test_gemma3_preemption_keeps_output(tiny_gemma3, plain_gemma3_outputs):
-    # 8 blocks of 16 = 128 tokens: room for any one request (<= 76 tokens), not for all at once.
-    llm = make_tiny_llm(tiny_gemma3[0], max_num_batched_tokens=64, num_gpu_blocks_override=9,
+    # 10 usable blocks of 16 tokens of one layer each, shared by the global group (a request of
+    # <= 76 tokens holds up to 5) and the windowed one (up to 3): room for any one request, not
+    # for all at once.
+    llm = make_tiny_llm(tiny_gemma3[0], max_num_batched_tokens=64, num_gpu_blocks_override=11,
                         max_model_len=128, enable_prefix_caching=False)
     outputs = generate_ids(llm)
-    assert llm.engine.get_stats().num_preemptions > 0
+    assert llm.engine.get_stats().num_preemptions > 0 and window_freed_blocks(llm) > 0
     assert outputs == plain_gemma3_outputs
     llm.engine.assert_idle()
 

@@ -67,3 +67,17 @@ def test_capacity_report_is_the_pools_arithmetic():
         {"context_len": 1024, "max_requests": 1, "kv_bytes_per_request": 64000},
         {"context_len": 1500, "max_requests": 1, "kv_bytes_per_request": 94000},
     ]
+
+
+def test_capacity_report_counts_a_windowed_group_at_its_window():
+    from pagedserve.core.kv_cache_manager import KVCacheManager
+
+    # one global group and one with a 64-token window: at 1024 tokens a request holds 64
+    # blocks in the first and window_blocks(64, 16) + 1 = 6 in the second
+    manager = KVCacheManager(num_blocks=701, block_size=16, group_windows=(None, 64))
+    report = capacity_report(num_blocks=701, block_size=16, max_model_len=1024,
+                             bytes_per_block=1000, blocks_for=manager.max_blocks_for)
+    assert report == [
+        {"context_len": 512, "max_requests": 700 // 38, "kv_bytes_per_request": 38000},
+        {"context_len": 1024, "max_requests": 700 // 70, "kv_bytes_per_request": 70000},
+    ]
