@@ -211,7 +211,7 @@ class DeviceConfig:
     seed: int = 0
     """Seed for the engine's unseeded sampling stream."""
     quantization: str = "auto"
-    """"auto": also keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights packed for the int4 CPU kernel,
+    """"auto": also keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0/Q5_0 weights packed for the int4 CPU kernel,
     used for matmuls of at most a few rows in bfloat16, and in float32 instead of the dense
     weights, multiplied exactly (on the CPU only; see layers/linear.py); "none": dequantize
     everything and run dense; "int4" / "int8": quantize every linear weight

@@ -151,7 +151,7 @@ class EngineArgs:
     seed: int = 0
     """Seed of the engine's random stream (requests with their own seed use theirs)."""
     quantization: str = "auto"
-    """auto: also keep GGUF Q4_0/Q4_1/Q4_K/Q8_0 weights packed, for the int4 kernel on matmuls
+    """auto: also keep GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_0 weights packed, for the int4 kernel on matmuls
     of few rows (bf16 on the CPU only); none: dequantize every weight to the compute dtype;
     int4 / int8: quantize every linear weight on load and run packed only (bf16 on the CPU)."""
     speculative_config: dict | str | None = None

@@ -6,6 +6,8 @@ Every GGUF type kept packed here is, per 32-element group along K, `value = scal
   Q4_K  code 0..15 in 256-element super-blocks; each 32-group has 6-bit sc, m:
         scale = d * sc, min = -dmin * m        (fp32 products of an fp16 and a 6-bit int: exact)
   Q8_0  code -128..127, min = 0                (d * q)
+  Q5_0  held as Q8_0: code q - 16 in -16..15, min = 0 (llama.cpp: d * (q - 16), q 5 bits; the
+        same fp16 d per 32 elements, so the values are exactly Q8_0 ones)
 `GGUFQuantWeight` holds codes, fp32 scales and mins in that form: `dequantize()` reproduces
 `gguf.quants.dequantize` bit for bit (tests/layers/test_quantized.py).
 
@@ -37,7 +39,8 @@ The CPU layout, for reference: the uint8 [N, K/2] result is a [N/64, K, 32] byte
 
 GQT = gguf.GGMLQuantizationType
 INT4_TYPES = (GQT.Q4_0, GQT.Q4_1, GQT.Q4_K)
-PACKABLE_TYPES = (*INT4_TYPES, GQT.Q8_0)
+PACKABLE_TYPES = (*INT4_TYPES, GQT.Q8_0, GQT.Q5_0)
+"""GGUF types kept in the codes form; Q5_0 becomes Q8_0 (see the module doc)."""
 
 
 @dataclass
@@ -45,6 +48,7 @@ class GGUFQuantWeight:
     """One GGUF matrix [N, K] as codes plus per-32-group fp32 scale and min (see module doc)."""
 
     qtype: GQT
+    """The form: a 4-bit type or Q8_0 (never Q5_0, which is held as Q8_0)."""
     codes: torch.Tensor
     """uint8 [N, K] in 0..15 for the 4-bit types; int8 [N, K] for Q8_0."""
     scales: torch.Tensor
@@ -118,9 +122,18 @@ def decode_gguf_blocks(data: np.ndarray, qtype: GQT, shape: tuple[int, int]) -> 
     def fp16_field(offset: int) -> torch.Tensor:  # one fp16 per block, as fp32
         return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float().view(-1)
 
+    form = qtype
     if qtype == GQT.Q8_0:  # [d fp16][32 x int8]
         scales = fp16_field(0)
         codes = blocks[:, 2:].contiguous().view(torch.int8)
+        mins = torch.zeros_like(scales)
+    elif qtype == GQT.Q5_0:  # [d][4 bytes: element j's 5th bit is bit j][16 bytes as Q4_0's]
+        form, scales = GQT.Q8_0, fp16_field(0)
+        high_bits = blocks[:, 2:6].contiguous().view(torch.int32)
+        high = (high_bits >> torch.arange(32, dtype=torch.int32)) & 1  # [blocks, 32]
+        qs = blocks[:, 6:]
+        low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+        codes = (low.to(torch.int8) | (high.to(torch.int8) << 4)) - 16
         mins = torch.zeros_like(scales)
     elif qtype in (GQT.Q4_0, GQT.Q4_1):  # [d][m (Q4_1 only)][16 bytes: lo nibbles 0..15, hi 16..31]
         scales = fp16_field(0)
@@ -136,7 +149,7 @@ def decode_gguf_blocks(data: np.ndarray, qtype: GQT, shape: tuple[int, int]) -> 
         mins = -(dmin * torch.from_numpy(m.astype(np.float32)))
         qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
         codes = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 256)
-    return GGUFQuantWeight(qtype, codes.reshape(n, k), scales.reshape(n, k // GROUP_SIZE),
+    return GGUFQuantWeight(form, codes.reshape(n, k), scales.reshape(n, k // GROUP_SIZE),
                            mins.reshape(n, k // GROUP_SIZE))
 
 

@@ -148,7 +148,7 @@ def test_n_copies_share_prompt_blocks_and_differ(make_llm, tokenizer):
     engine.add_request("shared", {"prompt_token_ids": prompt_ids},
                        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8))
     engine.step()
-    tables = [engine.scheduler.kv_cache_manager.get_block_ids(f"{i}_shared") for i in range(3)]
+    tables = [engine.scheduler.kv_cache_manager.get_block_ids(f"{i}_shared")[0] for i in range(3)]
     num_full = len(prompt_ids) // 16
     assert tables[0][:num_full] == tables[1][:num_full] == tables[2][:num_full]
     outputs = []

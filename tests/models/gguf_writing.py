@@ -1,6 +1,6 @@
 """Writing tiny GGUF files from transformers models, as llama.cpp's converter lays them out: the
-shape metadata every architecture has, and Q8_0 matrices with the values they dequantize to
-(the reference model is given those, so both sides compute with the same numbers)."""
+shape metadata every architecture has, and quantized matrices (Q8_0, Q5_0) with the values they
+dequantize to (the reference model is given those, so both sides compute with the same numbers)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def add_shape_metadata(writer: gguf.GGUFWriter, hf_config) -> None:
     writer.add_rope_freq_base(hf_config.rope_parameters["rope_theta"])
 
 
-def q8_0_round_trip(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the Q8_0 bytes for the file, the values they dequantize to, in weight's shape)."""
-    codes = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
-    return codes, gguf.quants.dequantize(codes, gguf.GGMLQuantizationType.Q8_0).reshape(weight.shape)
+def quantized_round_trip(weight: np.ndarray, qtype=gguf.GGMLQuantizationType.Q8_0
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """(the `qtype` bytes for the file, the values they dequantize to, in weight's shape)."""
+    codes = gguf.quants.quantize(weight, qtype)
+    return codes, gguf.quants.dequantize(codes, qtype).reshape(weight.shape)

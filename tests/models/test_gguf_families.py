@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.kernels import cpu_ops
 from pagedserve.sampling_params import SamplingParams
-from tests.models.gguf_writing import add_shape_metadata, q8_0_round_trip
+from tests.models.gguf_writing import add_shape_metadata, quantized_round_trip
 from tests.models.test_tiny_parity import CONFIGS, PROMPTS, VOCAB
 
 transformers = pytest.importorskip("transformers")
@@ -34,9 +34,10 @@ def _byte_alphabet() -> list[str]:
     return sorted(pre_tokenizers.ByteLevel.alphabet())
 
 
-def _write_gguf(path, architecture: str, hf_model) -> None:
-    """Write hf_model to `path` (Q8_0 matrices, F32 norms) and set its weights to the values the
-    file holds, so both sides compute with the same numbers."""
+def _write_gguf(path, architecture: str, hf_model,
+                qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0) -> None:
+    """Write hf_model to `path` (`qtype` matrices, F32 norms) and set its weights to the values
+    the file holds, so both sides compute with the same numbers."""
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), architecture)
     add_shape_metadata(writer, config)
@@ -64,8 +65,8 @@ def _write_gguf(path, architecture: str, hf_model) -> None:
             assert gguf_name is not None, hf_name
             weight = tensor.numpy()
             if weight.ndim == 2:
-                codes, dequantized = q8_0_round_trip(weight)
-                writer.add_tensor(gguf_name, codes, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                codes, dequantized = quantized_round_trip(weight, qtype)
+                writer.add_tensor(gguf_name, codes, raw_dtype=qtype)
                 hf_model.get_parameter(hf_name).copy_(torch.from_numpy(dequantized))
             else:
                 writer.add_tensor(gguf_name, weight)
@@ -75,8 +76,11 @@ def _write_gguf(path, architecture: str, hf_model) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("architecture", sorted(GGUF_ARCHITECTURES))
-def test_gguf_greedy_matches_transformers(tmp_path, architecture, stack_calls):
+@pytest.mark.parametrize("architecture,qtype", [
+    *((architecture, "Q8_0") for architecture in sorted(GGUF_ARCHITECTURES)),
+    ("qwen3", "Q5_0"),  # held as Q8_0 codes (layers/quantized.py)
+])
+def test_gguf_greedy_matches_transformers(tmp_path, architecture, qtype, stack_calls):
     from pagedserve.engine.llm import LLM
 
     torch.manual_seed(0)
@@ -89,7 +93,7 @@ def test_gguf_greedy_matches_transformers(tmp_path, architecture, stack_calls):
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
     path = tmp_path / f"tiny-{architecture}.gguf"
-    _write_gguf(path, architecture, hf_model)
+    _write_gguf(path, architecture, hf_model, gguf.GGMLQuantizationType[qtype])
 
     llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=64,
               max_num_seqs=8)
@@ -97,7 +101,7 @@ def test_gguf_greedy_matches_transformers(tmp_path, architecture, stack_calls):
     assert model.config.architecture == architecture
     assert model.config.sliding_window == getattr(hf_model.config, "sliding_window", None)
     layer = model.model.layers[0]
-    assert layer.mlp.gate_up_proj.weight is None  # fp32 runs on the Q8_0 codes alone
+    assert layer.mlp.gate_up_proj.weight is None  # fp32 runs on the codes alone
     assert (layer.self_attn.q_norm is not None) == (architecture == "qwen3")
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True,
                             detokenize=False)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve.sampling_params import SamplingParams
-from tests.models.gguf_writing import add_shape_metadata, q8_0_round_trip
+from tests.models.gguf_writing import add_shape_metadata, quantized_round_trip
 
 transformers = pytest.importorskip("transformers")
 
@@ -265,7 +265,7 @@ def write_moe_gguf(path, architecture: str, hf_model) -> dict[str, torch.Tensor]
                       else {"ffn_down_exps": weight})
             values = []
             for gguf_module, half in halves.items():
-                codes, dequantized = q8_0_round_trip(half.contiguous().numpy())
+                codes, dequantized = quantized_round_trip(half.contiguous().numpy())
                 writer.add_tensor(f"blk.{layer}.{gguf_module}.weight", codes,
                                   raw_dtype=gguf.GGMLQuantizationType.Q8_0)
                 values.append(torch.from_numpy(dequantized.copy()))
