@@ -139,6 +139,25 @@ def test_gemma3_preemption_keeps_output(tiny_gemma3, plain_gemma3_outputs):
     assert outputs == plain_gemma3_outputs
     llm.engine.assert_idle()
 
+@pytest.mark.parametrize("speculative_config", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+     "prompt_lookup_min": 1},
+    {"method": "draft_model", "model": "self", "draft_num_layers": 1, "num_speculative_tokens": 3},
+], ids=["ngram", "self-draft"])
+def test_gemma3_speculative_decoding_keeps_output(tiny_gemma3, plain_gemma3_outputs,
+                                                  speculative_config):
+    """Drafts, their rejections rolled back, on top of the windowed group letting go of blocks
+    (a self-draft runs the first layer, windowed, on a draft cache of its own)."""
+    llm = make_tiny_llm(tiny_gemma3[0], max_num_batched_tokens=64,
+                        speculative_config=speculative_config)
+    outputs = generate_ids(llm)
+    spec = llm.engine.get_stats().spec_decoding
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert window_freed_blocks(llm) > 0
+    assert outputs == plain_gemma3_outputs
+    llm.engine.assert_idle()
+
+
 # ---- the real Gemma-3-270M GGUF (slow) ----
 
 NUM_NEW_TOKENS = 8
