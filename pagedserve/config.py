@@ -213,7 +213,8 @@ class DeviceConfig:
     quantization: str = "auto"
     """"auto": also keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0/Q5_0 weights packed for the int4 CPU kernel,
     used for matmuls of at most a few rows in bfloat16, and in float32 instead of the dense
-    weights, multiplied exactly (on the CPU only; see layers/linear.py); "none": dequantize
+    weights, multiplied exactly (on the CPU only; see layers/linear.py); MoE experts run on
+    their codes alone in both (layers/moe.py); "none": dequantize
     everything and run dense; "int4" / "int8": quantize every linear weight
     (and a tied head) on load, per 32-element group, and run packed only (bf16 on the CPU)."""
     cpu_kernels: bool = True

@@ -2,16 +2,24 @@
 
   TopKRouter       (T, H) -> each token's top_k experts and their weights: softmax over all
                    experts in fp32, then top-k, renormalized to sum 1 where the model says so.
-  FusedExperts     E SiLU-gated MLPs stored packed, gate_up_proj (E, 2*I, H) and down_proj
-                   (E, H, I) (transformers' layout). The (token, expert) pairs are sorted by
-                   expert, each expert multiplies its rows once, and the weighted rows are
-                   scatter-added back to their tokens: a loop over experts, never over tokens.
+  FusedExperts     E SiLU-gated MLPs stored stacked, gate_up_proj (E, 2*I, H) and down_proj
+                   (E, H, I) (transformers' layout), or each expert on its GGUF codes (below).
+                   The (token, expert) pairs are sorted by expert, each expert multiplies its
+                   rows once, and the weighted rows are scatter-added back to their tokens: a
+                   loop over experts, never over tokens.
   SparseMoeBlock   router + experts (Mixtral's block); Qwen2-MoE adds a shared expert to it.
 
 Under tensor parallelism each rank holds every expert's intermediate columns
 [r * I / tp, (r + 1) * I / tp) (like a column- then row-parallel MLP), so its output is a partial
 sum and the block all-reduces it once. The router is whole on every rank (it is tiny), so all ranks
 route alike.
+
+GGUF expert weights stay packed: when every expert's gate, up and down arrive as codes of the
+packed types (quantized.py), each expert runs on its codes (one packed matrix for gate-up, one for
+down) and no dense copy is made or kept. Unlike a dense Linear layer, which keeps a bf16 copy for
+large batches, experts keep the codes alone: an MoE model's experts are most of its bytes, and each
+expert sees only its share of a batch's rows. `--quantization int4|int8` packs the experts too.
+Mixed or unpackable types are dequantized into the stacked dense form (the slow reference).
 
 Each block counts the tokens routed to each of its experts (`expert_tokens`, an int64 bincount
 per step on the device, no sync): the load statistics expert-parallel load balancing will read.
@@ -29,7 +37,13 @@ from pagedserve.config import ModelConfig
 from pagedserve.distributed.parallel_state import get_tp_group
 from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import _check_shape, _split_size
-from pagedserve.layers.quantized import GGUFQuantWeight
+from pagedserve.layers.quantized import (
+    GROUP_SIZE,
+    GGUFQuantWeight,
+    concat_rows,
+    packed_weight,
+    quantize_weight,
+)
 
 EXPERT_SHARDS = ("gate", "up", "down")
 """The checkpoint's matrices of one expert: gate (I, H), up (I, H), down (H, I)."""
@@ -94,6 +108,12 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, self.local_size), requires_grad=False)
         self.kernels = kernels
+        self.packed_gate_up: nn.ModuleList | None = None
+        self.packed_down: nn.ModuleList | None = None
+        """Set when the experts run on their codes (the stacked parameters are then None)."""
+        self._pending_codes: dict[tuple[int, str], GGUFQuantWeight] = {}
+        """(expert, shard) -> this rank's part of a GGUF matrix, until process_weights_after_
+        loading packs or dequantizes it."""
 
     def load_keys(self, prefix: str) -> set[str]:
         """What a complete checkpoint fills (`load` returns its share): one key per expert and
@@ -105,7 +125,12 @@ class FusedExperts(nn.Module):
         """Copy this rank's part of one expert's full checkpoint matrix (expert_id given), or of
         all experts' stacked (E, ...) matrices (expert_id None); shard "gate", "up", "down", or
         "gate_up" (gate rows then up rows, transformers' packed layout). Returns the keys filled."""
-        loaded_weight = _dense(loaded_weight)
+        if isinstance(loaded_weight, GGUFQuantWeight) and (
+                expert_id is None or shard == "gate_up"
+                or (shard == "down" and self.local_size % GROUP_SIZE)):
+            # Kept packed only per expert and shard (the GGUF loader's form), and where this
+            # rank's down columns fall on whole 32-element groups.
+            loaded_weight = loaded_weight.dequantize()
         if expert_id is None:
             if loaded_weight.shape[0] != self.num_experts:
                 raise ValueError(f"{prefix}: {loaded_weight.shape[0]} experts in the checkpoint, "
@@ -122,14 +147,47 @@ class FusedExperts(nn.Module):
         hidden_size = self.down_proj.shape[1]
         if shard == "down":
             _check_shape(loaded_weight, (hidden_size, full))
-            self.down_proj.data[expert_id].copy_(
-                loaded_weight.narrow(1, self.tp_rank * local, local))
+            rank_part = loaded_weight.narrow(1, self.tp_rank * local, local)
         else:
             _check_shape(loaded_weight, (full, hidden_size))
-            offset = 0 if shard == "gate" else local
-            self.gate_up_proj.data[expert_id, offset : offset + local].copy_(
-                loaded_weight.narrow(0, self.tp_rank * local, local))
+            rank_part = loaded_weight.narrow(0, self.tp_rank * local, local)
+        if isinstance(rank_part, GGUFQuantWeight):
+            self._pending_codes[expert_id, shard] = rank_part
+        else:
+            self._dense_matrix(expert_id, shard).copy_(rank_part)
         return {f"{prefix}#{expert_id}#{shard}"}
+
+    def _dense_matrix(self, expert: int, shard: str) -> torch.Tensor:
+        """The rows (gate, up) or matrix (down) of one expert in the stacked parameters."""
+        if shard == "down":
+            return self.down_proj.data[expert]
+        offset = 0 if shard == "gate" else self.local_size
+        return self.gate_up_proj.data[expert, offset : offset + self.local_size]
+
+    def process_weights_after_loading(self, dtype: torch.dtype, quantize: str | None = None) -> None:
+        """Run every expert on its GGUF codes where all of them arrived packable (or, with
+        `quantize`, on a fresh int4/int8 quantization of the dense weights); else dequantize the
+        codes into the stacked dense parameters."""
+        pending, self._pending_codes = self._pending_codes, {}
+        experts = range(self.num_experts)
+        if quantize is not None and dtype == torch.bfloat16 and not pending:
+            pending = {(expert, shard): quantize_weight(self._dense_matrix(expert, shard), quantize)
+                       for expert in experts for shard in EXPERT_SHARDS}
+            if any(weight is None for weight in pending.values()):  # K not on 32-groups
+                return
+        complete = len(pending) == self.num_experts * len(EXPERT_SHARDS)
+        if complete and dtype in (torch.float32, torch.bfloat16):
+            gate_up = [concat_rows([pending[e, "gate"], pending[e, "up"]]) for e in experts]
+            if all(merged is not None for merged in gate_up):
+                packed_gate_up = [packed_weight(merged, dtype) for merged in gate_up]
+                packed_down = [packed_weight(pending[e, "down"], dtype) for e in experts]
+                if all(module is not None for module in (*packed_gate_up, *packed_down)):
+                    self.packed_gate_up = nn.ModuleList(packed_gate_up)
+                    self.packed_down = nn.ModuleList(packed_down)
+                    self.gate_up_proj = self.down_proj = None  # the codes alone
+                    return
+        for (expert, shard), weight in pending.items():
+            self._dense_matrix(expert, shard).copy_(weight.dequantize())
 
     def forward(self, hidden_states: torch.Tensor, weights: torch.Tensor,
                 expert_ids: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
@@ -146,13 +204,23 @@ class FusedExperts(nn.Module):
         for expert, num_rows in enumerate(tokens_per_expert):
             if num_rows:
                 end = start + num_rows
-                gate_up = F.linear(rows[start:end], self.gate_up_proj[expert])  # (n, 2 * I)
-                outputs[start:end] = F.linear(silu_and_mul(gate_up, self.kernels),
-                                              self.down_proj[expert])
+                gate_up = self._gate_up(expert, rows[start:end])  # (n, 2 * I)
+                outputs[start:end] = self._down(expert, silu_and_mul(gate_up, self.kernels))
                 start = end
         # The weights stay fp32 for the product, as transformers multiplies.
         weighted = (outputs * weights.flatten()[pair_order].unsqueeze(1)).to(outputs.dtype)
         return torch.zeros_like(hidden_states).index_add_(0, pair_tokens, weighted)
+
+
+    def _gate_up(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed_gate_up is not None:
+            return self.packed_gate_up[expert](rows)
+        return F.linear(rows, self.gate_up_proj[expert])
+
+    def _down(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed_down is not None:
+            return self.packed_down[expert](rows)
+        return F.linear(rows, self.down_proj[expert])
 
 
 class SparseMoeBlock(nn.Module):

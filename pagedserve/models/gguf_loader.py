@@ -95,8 +95,8 @@ def iter_gguf_weights(
     """Yield (HF name, dequantized tensor of `dtype`) one at a time; matrices are [out, in].
 
     keep_packed: yield Q4_0 / Q4_1 / Q4_K / Q8_0 / Q5_0 matrices as GGUFQuantWeight (codes with
-    fp32 scales and mins, exactly the values dequantization would give; Q5_0 in Q8_0's form);
-    other types stay dense.
+    fp32 scales and mins, exactly the values dequantization would give; Q5_0 in Q8_0's form),
+    stacked expert tensors as one such matrix per expert; other types stay dense.
     """
     header = read_gguf_header(path)
     config = _read_config(header, path)
@@ -114,6 +114,16 @@ def iter_gguf_weights(
         data = tensor_data(file_data, header.byte_order, tensor)
         if keep_packed and tensor.tensor_type in PACKABLE_TYPES and len(shape) == 2:
             weight = decode_gguf_blocks(data, tensor.tensor_type, shape)
+        elif (keep_packed and tensor.tensor_type in PACKABLE_TYPES and len(shape) == 3
+              and ".mlp.experts." in hf_name):
+            # Stacked experts (E, rows, cols): each matrix row is one row of blocks, so the
+            # tensor decodes as one (E * rows, cols) matrix, yielded one expert at a time.
+            num_experts, rows, cols = shape
+            stacked = decode_gguf_blocks(data, tensor.tensor_type, (num_experts * rows, cols))
+            stem, shard, _ = hf_name.rsplit(".", 2)  # model.layers.N.mlp.experts, gate_proj
+            for expert in range(num_experts):
+                yield f"{stem}.{expert}.{shard}.weight", stacked.narrow(0, expert * rows, rows)
+            continue
         else:
             # NOTE: dequantize returns numpy (row-major) order.
             weight = gguf.quants.dequantize(data, tensor.tensor_type)

@@ -19,6 +19,20 @@ def add_shape_metadata(writer: gguf.GGUFWriter, hf_config) -> None:
     writer.add_rope_freq_base(hf_config.rope_parameters["rope_theta"])
 
 
+def add_byte_vocabulary(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """A byte-level vocabulary of vocab_size ids, the last one EOS (the tests' prompts are token
+    ids; the text is never used)."""
+    from tokenizers import pre_tokenizers
+
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens += [f"<t{i}>" for i in range(vocab_size - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * vocab_size)
+    writer.add_token_merges([])
+    writer.add_eos_token_id(vocab_size - 1)
+
+
 def quantized_round_trip(weight: np.ndarray, qtype=gguf.GGMLQuantizationType.Q8_0
                          ) -> tuple[np.ndarray, np.ndarray]:
     """(the `qtype` bytes for the file, the values they dequantize to, in weight's shape)."""

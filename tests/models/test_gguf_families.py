@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.kernels import cpu_ops
 from pagedserve.sampling_params import SamplingParams
-from tests.models.gguf_writing import add_shape_metadata, quantized_round_trip
+from tests.models.gguf_writing import add_byte_vocabulary, add_shape_metadata, quantized_round_trip
 from tests.models.test_tiny_parity import CONFIGS, PROMPTS, VOCAB
 
 transformers = pytest.importorskip("transformers")
@@ -26,12 +26,6 @@ NUM_NEW_TOKENS = 8
 PHI3_SLIDING_WINDOW = 2047
 """As llama.cpp writes Phi-3 mini-4k's: wider than these prompts, so the decoder stack serves
 (the tiny parity tests cover a window shorter than the prompts)."""
-
-
-def _byte_alphabet() -> list[str]:
-    from tokenizers import pre_tokenizers
-
-    return sorted(pre_tokenizers.ByteLevel.alphabet())
 
 
 def _write_gguf(path, architecture: str, hf_model,
@@ -47,13 +41,7 @@ def _write_gguf(path, architecture: str, hf_model,
     writer.add_value_length(head_dim)
     if architecture == "phi3":
         writer.add_sliding_window(config.sliding_window)
-    # A byte-level vocabulary of VOCAB ids (the prompts are token ids; the text is never used).
-    tokens = _byte_alphabet() + [f"<t{i}>" for i in range(VOCAB - 256)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
-    writer.add_token_merges([])
-    writer.add_eos_token_id(VOCAB - 1)
+    add_byte_vocabulary(writer, VOCAB)
 
     names = gguf.get_tensor_name_map(GGUF_ARCHITECTURES[architecture], config.num_hidden_layers)
     state = hf_model.state_dict()

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve.sampling_params import SamplingParams
-from tests.models.gguf_writing import add_shape_metadata, quantized_round_trip
+from tests.models.gguf_writing import add_byte_vocabulary, add_shape_metadata, quantized_round_trip
 
 transformers = pytest.importorskip("transformers")
 
@@ -221,10 +221,11 @@ _GGUF_BLOCK_NAMES = {
 }
 
 
-def write_moe_gguf(path, architecture: str, hf_model) -> dict[str, torch.Tensor]:
+def write_moe_gguf(path, architecture: str, hf_model, expert_qtype: str = "Q8_0"
+                   ) -> dict[str, torch.Tensor]:
     """`hf_model` (transformers' names and stacked experts) as llama.cpp writes it: q/k rows
-    permuted for "llama", the stacked experts Q8_0. Returns the weights it holds, dequantized,
-    under transformers' names (the reference)."""
+    permuted for "llama", the stacked experts in `expert_qtype`, a byte-level vocabulary.
+    Returns the weights it holds, dequantized, under transformers' names (the reference)."""
     import gguf
 
     config = hf_model.config
@@ -232,6 +233,7 @@ def write_moe_gguf(path, architecture: str, hf_model) -> dict[str, torch.Tensor]
     writer = gguf.GGUFWriter(str(path), gguf_arch)
     add_shape_metadata(writer, config)
     writer.add_vocab_size(config.vocab_size)
+    add_byte_vocabulary(writer, config.vocab_size)
     writer.add_expert_used_count(config.num_experts_per_tok)
     if architecture == "mixtral":
         writer.add_expert_count(config.num_local_experts)
@@ -265,9 +267,9 @@ def write_moe_gguf(path, architecture: str, hf_model) -> dict[str, torch.Tensor]
                       else {"ffn_down_exps": weight})
             values = []
             for gguf_module, half in halves.items():
-                codes, dequantized = quantized_round_trip(half.contiguous().numpy())
-                writer.add_tensor(f"blk.{layer}.{gguf_module}.weight", codes,
-                                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                qtype = gguf.GGMLQuantizationType[expert_qtype]
+                codes, dequantized = quantized_round_trip(half.contiguous().numpy(), qtype)
+                writer.add_tensor(f"blk.{layer}.{gguf_module}.weight", codes, raw_dtype=qtype)
                 values.append(torch.from_numpy(dequantized.copy()))
             reference[name] = torch.cat(values, dim=1)
             continue
@@ -312,6 +314,85 @@ def test_gguf_experts_load_like_the_hf_weights(tmp_path, architecture):
     from_gguf.eval()
     expected = run_steps(build_model(config, reference_weights))
     np.testing.assert_array_equal(run_steps(from_gguf), expected)
+
+
+@pytest.mark.parametrize("expert_qtype", ["Q8_0", "Q4_0", "Q5_0"])
+def test_gguf_experts_run_on_their_codes(tmp_path, expert_qtype):
+    """Served from a GGUF in fp32 (--quantization auto), every expert multiplies by its codes,
+    exactly (the dequantized values, fp32 sums), with no stacked dense copy kept: the greedy
+    tokens and the expert load equal those of the same file dequantized (--quantization none)."""
+    from pagedserve.engine.llm import LLM
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.layers.moe import FusedExperts
+
+    ops = cpu_ops.load()
+    if ops is None or not ops.exact_linear_vectorized():
+        pytest.skip("fp32 runs on codes only with the compiled kernels' vectorized exact path "
+                    "(this build has none): the experts stay dense")
+    torch.manual_seed(3)
+    hf_model = transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"](),
+                                                             dtype=torch.float32)
+    path = tmp_path / "moe.gguf"
+    write_moe_gguf(path, "mixtral", hf_model, expert_qtype)
+    tokens, expert_load = {}, {}
+    for quantization in ("auto", "none"):
+        llm = _llm(path, quantization=quantization, enable_prefix_caching=False)
+        model = llm.engine.executor.worker.model_runner.model
+        experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+        assert len(experts) == 2
+        for module in experts:
+            packed = quantization == "auto"
+            assert (module.packed_gate_up is not None) == packed
+            assert (module.gate_up_proj is None) == packed and (module.down_proj is None) == packed
+        tokens[quantization] = _greedy(llm)
+        expert_load[quantization] = llm.engine.expert_load()
+    assert all(sum(counts) for counts in expert_load["auto"].values())  # the experts ran
+    assert expert_load["auto"] == expert_load["none"]
+    assert tokens["auto"] == tokens["none"]
+
+
+@pytest.mark.parametrize("expert_qtype", ["Q4_0", "Q8_0"])
+def test_packed_experts_in_bf16_track_the_dense_experts(expert_qtype):
+    """bf16: experts on their codes (the int16-activation kernel, or torch's int4 one) against
+    the same values stacked dense, on the same routed rows: one row per expert (decode) and many
+    (prefill). Within bf16's rounding of the outputs; the routing is the caller's, so equal."""
+    import gguf
+
+    from pagedserve.layers.moe import FusedExperts
+    from pagedserve.layers.quantized import decode_gguf_blocks
+
+    torch.manual_seed(4)
+    num_experts, hidden, intermediate = 4, 64, 64
+    qtype = gguf.GGMLQuantizationType[expert_qtype]
+    codes = {}
+    for expert in range(num_experts):
+        for shard, shape in (("gate", (intermediate, hidden)), ("up", (intermediate, hidden)),
+                             ("down", (hidden, intermediate))):
+            raw, _ = quantized_round_trip(torch.randn(shape).mul(0.2).numpy(), qtype)
+            codes[expert, shard] = decode_gguf_blocks(raw, qtype, shape)
+    modules = {}
+    for form, dtype in (("codes", torch.bfloat16), ("dense", torch.bfloat16),
+                        ("fp32 reference", torch.float32)):
+        module = FusedExperts(num_experts, hidden, intermediate, kernels=None)
+        for (expert, shard), weight in codes.items():
+            module.load("experts", shard, weight if form == "codes" else weight.dequantize(),
+                        expert)
+        module.process_weights_after_loading(dtype)
+        modules[form] = module.to(dtype)
+    assert modules["codes"].packed_gate_up is not None and modules["codes"].gate_up_proj is None
+    assert modules["dense"].packed_gate_up is None
+    for num_tokens in (1, 3, 48):
+        hidden_states = torch.randn(num_tokens, hidden).to(torch.bfloat16)
+        weights = torch.rand(num_tokens, 2).softmax(-1)
+        expert_ids = torch.stack([torch.randperm(num_experts)[:2] for _ in range(num_tokens)])
+        counts = torch.bincount(expert_ids.flatten(), minlength=num_experts).tolist()
+        reference = modules["fp32 reference"](hidden_states.float(), weights, expert_ids, counts)
+        errors = {form: (modules[form](hidden_states, weights, expert_ids, counts).float()
+                         - reference).abs().max().item() for form in ("codes", "dense")}
+        # As close to the exact values as dense bf16 is (both round each matmul's output to
+        # bf16), give or take one bf16 step of the largest output.
+        one_step = reference.abs().max().item() * 2**-8
+        assert errors["codes"] <= errors["dense"] + one_step, (num_tokens, errors)
 
 
 def test_debug_experts_route_reports_the_engine_expert_load():
