@@ -1592,17 +1592,22 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decoder layers of a Llama-family model (Llama, Qwen2) for a step of a few tokens, in one
+// The decoder layers of a Llama-family model (Llama, Qwen2) for a step of up to 32 tokens, in one
 // call from Python instead of ~80 ops per layer. It runs exactly the ops the Python modules run
 // on the CPU for such a step (the kernels above, in the same order and dtypes), so its output is
 // bitwise equal to theirs: tests/kernels/test_decoder_stack.py checks that.
 
+// A projection as Linear._linear runs it: by its packed codes, or, in a layer that also keeps its
+// dense weight, by that weight for inputs of more than packed_max_rows rows.
 struct PackedLinear {
   torch::Tensor codes, scales, mins;
   c10::optional<torch::Tensor> bias;
   int64_t out_features, bits, activation_bits;
+  c10::optional<torch::Tensor> dense;
+  int64_t packed_max_rows;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (dense && x.size(0) > packed_max_rows) return torch::linear(x, *dense, bias);  // F.linear
     torch::Tensor y = quant_linear(x, codes, scales, mins, out_features, bits, activation_bits,
                                    c10::nullopt);
     return bias ? y + *bias : y;  // as Linear.forward: the bias added in the compute dtype
@@ -1639,17 +1644,21 @@ class DecoderStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
         cos_cache_(cos_cache), sin_cache_(sin_cache), final_norm_(final_norm) {}
 
-  // linears: (codes, scales, mins, bias or None, out_features, bits, activation_bits) each
+  // linears: (codes, scales, mins, bias or None, out_features, bits, activation_bits, dense
+  // weight or None, packed_max_rows) each
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
                  const std::vector<py::tuple>& linears) {
     TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
     std::vector<PackedLinear> parsed;
     for (const auto& l : linears) {
-      c10::optional<torch::Tensor> bias;
+      TORCH_CHECK(l.size() == 9, "a linear is 9 fields");
+      c10::optional<torch::Tensor> bias, dense;
       if (!l[3].is_none()) bias = l[3].cast<torch::Tensor>();
+      if (!l[7].is_none()) dense = l[7].cast<torch::Tensor>();
       parsed.push_back(PackedLinear{l[0].cast<torch::Tensor>(), l[1].cast<torch::Tensor>(),
                                     l[2].cast<torch::Tensor>(), bias, l[4].cast<int64_t>(),
-                                    l[5].cast<int64_t>(), l[6].cast<int64_t>()});
+                                    l[5].cast<int64_t>(), l[6].cast<int64_t>(), dense,
+                                    l[8].cast<int64_t>()});
     }
     layers_.push_back(DecoderLayerWeights{input_norm, post_attention_norm, parsed[0], parsed[1],
                                           parsed[2], parsed[3]});

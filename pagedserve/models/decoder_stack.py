@@ -3,9 +3,12 @@
 A decode step of one request runs ~80 small ops per layer from Python; on this kind of CPU that
 dispatch cost was half the step. `DecoderStack` (csrc/cpu_ops.cpp) runs the same kernels the
 Python modules call for such a step, in the same order and dtypes, from C++: same output, bitwise
-(tests/kernels/test_decoder_stack.py). It applies when every projection is packed for the
+(tests/models/test_decoder_stack.py). It applies when every projection is packed for the
 compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/8-bit files) and the
-step has at most `stack_max_tokens` tokens; anything else runs the modules. It implements the
+step has at most FUSED_MAX_TOKENS tokens (a batch of up to 32 decodes); anything else runs the
+modules. Each projection multiplies as Linear does: by its codes up to PACKED_MAX_ROWS rows, and
+above that by the dense bf16 weight the layer keeps beside them (fp32 and quantized-on-load
+layers keep none and use their codes for every row count). It implements the
 plain Llama layer (Llama, Qwen2 and Phi-3 build it), not QK-norm (Qwen3), an MoE block
 (Mixtral, Qwen2-MoE) nor any subclassed block: those models always run the modules
 (`implements`). It runs every layer in one call, with no all-reduce between layers and no stage
@@ -31,13 +34,13 @@ from pagedserve.attention.cpu_kernel_backend import KERNEL_MAX_TOKENS
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.paged import token_rows_and_lens
 from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
-from pagedserve.layers.linear import PACKED_MAX_ROWS, Linear
+from pagedserve.layers import linear as linear_layers
+from pagedserve.layers.linear import Linear
 from pagedserve.layers.quantized import GroupQuantizedWeight
 
-FUSED_MAX_TOKENS = PACKED_MAX_ROWS
-"""The modules multiply up to PACKED_MAX_ROWS rows by the packed codes (dense bf16 above), so
-the stack, which only holds the packed form, serves exactly those steps where the layers also
-hold dense weights (see stack_max_tokens)."""
+FUSED_MAX_TOKENS = KERNEL_MAX_TOKENS
+"""The longest step the stack serves: the attention backend's limit for the paged-attention
+kernel the stack calls (longer steps' attention runs other kernels in the modules)."""
 
 
 def _linears(layer) -> list[Linear]:
@@ -45,23 +48,13 @@ def _linears(layer) -> list[Linear]:
             layer.mlp.down_proj]
 
 
-def stack_max_tokens(model) -> int:
-    """The longest step the stack runs as the modules would: FUSED_MAX_TOKENS where the layers
-    also hold dense weights (the modules use them above PACKED_MAX_ROWS rows); else (packed
-    only: fp32, or quantized on load) the attention backend's limit for the kernel the stack
-    calls, KERNEL_MAX_TOKENS."""
-    layers = model.layers[model.start_layer : model.end_layer]
-    if any(linear.weight is not None for layer in layers for linear in _linears(layer)):
-        return FUSED_MAX_TOKENS
-    return KERNEL_MAX_TOKENS
-
-
 def _packed_args(linear: Linear) -> tuple | None:
     packed = linear.packed
     if not isinstance(packed, GroupQuantizedWeight):
         return None
     return (packed.codes, packed.scales, packed.mins, linear.bias, packed.out_features,
-            packed.bits, packed.activation_bits)
+            packed.bits, packed.activation_bits, linear.weight,
+            linear_layers.PACKED_MAX_ROWS)  # read when built, as Linear reads it when called
 
 
 def implements(layer) -> bool:

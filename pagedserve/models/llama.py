@@ -27,9 +27,9 @@ from pagedserve.config import ModelConfig
 from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedserve.kernels import cpu_ops
 from pagedserve.models.decoder_stack import (
+    FUSED_MAX_TOKENS,
     build_decoder_stack,
     run_decoder_stack,
-    stack_max_tokens,
 )
 from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import (
@@ -247,13 +247,11 @@ class LlamaModel(StagedDecoder):
         self.fused_decoder_layers = (
             kernels is not None and cpu_ops.build_config().fused_decoder_layers
         )
-        """Run steps of at most `stack_max_tokens` tokens as one compiled DecoderStack call where
+        """Run steps of at most FUSED_MAX_TOKENS tokens as one compiled DecoderStack call where
         it applies (models/decoder_stack.py); the profiler turns it off to time the modules."""
         self._stack: object | None | bool = False
         """The compiled DecoderStack for small steps: False until first asked, None if it does
         not apply (models/decoder_stack.py)."""
-        self._stack_max_tokens = 0
-        """The longest step the stack serves (set with it)."""
         windows = [w for i in range(config.num_hidden_layers)
                    if (w := config.layer_sliding_window(i)) is not None]
         self._smallest_window = min(windows, default=None)
@@ -263,15 +261,13 @@ class LlamaModel(StagedDecoder):
     def _decoder_stack(self) -> object | None:
         if self._stack is False:  # built on first use: the weights are final by then
             self._stack = build_decoder_stack(self, self._kernels)
-            if self._stack is not None:
-                self._stack_max_tokens = stack_max_tokens(self)
         return self._stack
 
     def run_fused(self, hidden_states: torch.Tensor, positions: torch.Tensor, end_layer: int,
                   num_tokens: int) -> torch.Tensor | None:
         """The compiled decoder stack's output where it serves the step (models/decoder_stack.py)."""
         stack = self._decoder_stack() if self.fused_decoder_layers else None
-        if stack is None or num_tokens > self._stack_max_tokens:
+        if stack is None or num_tokens > FUSED_MAX_TOKENS:
             return None
         lora_step = get_lora_step()
         # The stack runs LoRA in its masked form only (lora/worker_manager.py picks it for

@@ -2,9 +2,10 @@
 packed GGUF).
 
 Both run the same kernels in the same order, so greedy tokens and their logprobs must be equal
-exactly, not merely close: decode steps of one and of several requests, and speculative
-verification steps (several tokens per request, still within FUSED_MAX_TOKENS). In fp32 the
-layers hold only their codes, so the stack also serves steps past FUSED_MAX_TOKENS.
+exactly, not merely close: decode steps of one and of several requests, batches past
+PACKED_MAX_ROWS (where bf16 layers multiply by their dense weights, in the stack as in the
+modules; fp32 ones by their codes), and speculative verification steps (several tokens per
+request).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.kernels import cpu_ops
+from pagedserve.layers.linear import PACKED_MAX_ROWS
 from pagedserve.models.decoder_stack import FUSED_MAX_TOKENS
 from pagedserve.sampling_params import SamplingParams
 from tests.prompts import CHAT_QUESTIONS, PARITY_PROMPTS, chat_prompt
@@ -55,13 +57,16 @@ def test_stack_equals_modules(make_llm, monkeypatch, stack_calls, num_prompts):
     assert fused == plain  # (make_llm checks every block is free and every queue empty)
 
 
-def test_fp32_stack_equals_modules_past_the_packed_row_limit(make_llm, monkeypatch, stack_calls):
-    """fp32 layers run every row count on their codes, so the stack serves steps up to the
-    attention kernel's limit: here 12 decodes at once."""
-    llm = make_llm(dtype="float32", enable_prefix_caching=False)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_stack_equals_modules_past_the_packed_row_limit(make_llm, monkeypatch, stack_calls,
+                                                        dtype):
+    """12 decodes at once: past PACKED_MAX_ROWS, so a bf16 layer multiplies by its dense weight
+    (an fp32 one still by its codes), inside the stack as in the modules."""
+    llm = make_llm(dtype=dtype, enable_prefix_caching=False)
     prompts = [chat_prompt(q) for q in CHAT_QUESTIONS[:12]]
     fused = _generate(llm, prompts, max_tokens=6)
-    assert max(stack_calls) == len(prompts) > FUSED_MAX_TOKENS
+    assert max(stack_calls) == len(prompts) > PACKED_MAX_ROWS
+    assert len(prompts) <= FUSED_MAX_TOKENS
     _modules_only(llm, monkeypatch)
     stack_calls.clear()
     assert _generate(llm, prompts, max_tokens=6) == fused
