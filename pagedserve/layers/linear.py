@@ -48,6 +48,7 @@ from pagedserve.attention.metadata import get_lora_step
 from pagedserve.distributed.parallel_state import GroupCoordinator, get_tp_group
 from pagedserve.layers.quantized import (
     GROUP_SIZE,
+    HEAD_ACTIVATION_BITS,
     GGUFQuantWeight,
     GroupQuantizedWeight,
     concat_rows,
@@ -289,9 +290,9 @@ class VocabEmbedding(nn.Module):
     """Token embedding [vocab, hidden]; with `serves_as_head` also the tied output projection.
     Split by vocabulary rows over the TP ranks (see VocabShard).
 
-    Loaded from GGUF codes in bf16, the tied head also keeps an int4-packed copy (of this rank's
-    rows) for inputs of at most PACKED_MAX_ROWS rows (decode of one to a few requests), where it
-    is ~4x faster.
+    Loaded from GGUF codes in bf16, the tied head also multiplies by those codes (this rank's
+    rows) for inputs of at most packed_head_max_rows rows (decode steps), where it is several
+    times faster; on the compiled kernel with int8 activations (HEAD_ACTIVATION_BITS).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, serves_as_head: bool) -> None:
@@ -348,7 +349,8 @@ class VocabEmbedding(nn.Module):
             _check_shape(codes, self.weight.shape)
         head_from_codes = codes is not None and self.serves_as_head and quantize is None
         if head_from_codes and dtype in (torch.float32, torch.bfloat16):
-            self.packed_head = packed_weight(codes, dtype)  # fp32: None where not vectorized
+            # fp32: None where not vectorized; bf16: int8 activations (HEAD_ACTIVATION_BITS)
+            self.packed_head = packed_weight(codes, dtype, HEAD_ACTIVATION_BITS)
             self.dense_head_above_max_rows = dtype != torch.float32
         if isinstance(self.packed_head, GroupQuantizedWeight) and dtype == torch.bfloat16:
             self.packed_head.dequantize_into(self.weight.data)  # the table in one pass

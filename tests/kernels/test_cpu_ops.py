@@ -51,11 +51,10 @@ def reference_quant_linear(x: torch.Tensor, weight, activation_bits: int) -> tor
 @pytest.mark.parametrize("activation_bits", [16, 8])
 @pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 21])
-def test_quant_linear_follows_its_arithmetic(monkeypatch, qtype, rows, activation_bits):
+def test_quant_linear_follows_its_arithmetic(qtype, rows, activation_bits):
     n, k = 40, 256  # 40: the last 16-column block is partly padding
     weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k, seed=rows), qtype, (n, k))
-    monkeypatch.setattr(quantized, "ACTIVATION_BITS", activation_bits)
-    layer = GroupQuantizedWeight(weight, ops)
+    layer = GroupQuantizedWeight(weight, ops, activation_bits=activation_bits)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     y = layer(x)
     expected = reference_quant_linear(x, weight, activation_bits)

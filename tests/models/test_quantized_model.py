@@ -21,6 +21,7 @@ import statistics
 import pytest
 
 import pagedserve.layers.linear as linear_module
+import pagedserve.layers.quantized as quantized
 from pagedserve.sampling_params import SamplingParams
 from tests.shared_engines import shared_weights_llm
 from tests.prompts import CHAT_QUESTIONS, PARITY_PROMPTS, chat_prompt
@@ -34,10 +35,16 @@ TEXT = (pathlib.Path(__file__).parent.parent / "data" / "declaration_of_independ
 pytestmark = pytest.mark.slow
 
 
+def _packed_everywhere(monkeypatch) -> None:
+    """Route every matmul of a packed layer, and the tied head's, through the packed kernel,
+    whatever its row count (for engines made after this)."""
+    monkeypatch.setattr(linear_module, "PACKED_MAX_ROWS", 1 << 30)
+    monkeypatch.setattr(linear_module, "HEAD_PACKED_MAX_ROWS", 1 << 30)
+
+
 @pytest.fixture
 def int4_everywhere(monkeypatch):
-    """Route every matmul of a packed layer through the int4 kernel, whatever its row count."""
-    monkeypatch.setattr(linear_module, "PACKED_MAX_ROWS", 1 << 30)
+    _packed_everywhere(monkeypatch)
 
 
 def _teacher_forced_logprobs(llm, sequences: list[list[int]], num_prompt: list[int]):
@@ -60,7 +67,9 @@ def test_default_bf16_engine_holds_both_forms(make_llm):
     model = llm.engine.executor.worker.model_runner.model
     gate_up = model.model.layers[0].mlp.gate_up_proj
     assert gate_up.packed is not None and gate_up.weight is not None
-    assert model.model.embed_tokens.packed_head is not None  # tied Q8_0 head, int4 split
+    assert gate_up.packed.activation_bits == quantized.ACTIVATION_BITS == 16
+    head = model.model.embed_tokens.packed_head  # the tied Q8_0 head on its codes
+    assert head is not None and head.activation_bits == quantized.HEAD_ACTIVATION_BITS == 8
     # fp32 runs on the codes alone, exactly (layers/linear.py): no dense copy
     fp32_gate_up = make_llm(dtype="float32").engine.executor.worker.model_runner.model.model \
         .layers[0].mlp.gate_up_proj
@@ -129,10 +138,10 @@ def test_perplexity_within_one_percent_of_fp32(make_llm, text_ids, fp32_perplexi
     token_ids = text_ids
     reference = fp32_perplexity
     default_mix = _perplexity(make_llm(dtype="bfloat16"), token_ids)  # prefill: dense bf16 rows
-    monkeypatch.setattr(linear_module, "PACKED_MAX_ROWS", 1 << 30)
+    _packed_everywhere(monkeypatch)  # int16 activations in the layers, int8 in the head
     int4 = _perplexity(make_llm(dtype="bfloat16"), token_ids)
     print(f"\nperplexity over {len(token_ids)} tokens: fp32 {reference:.4f}, "
-          f"bf16 default {default_mix:.4f}, bf16 int4 everywhere {int4:.4f}")
+          f"bf16 default {default_mix:.4f}, bf16 packed everywhere {int4:.4f}")
     assert abs(int4 / reference - 1) < 0.01, (int4, reference)
     assert abs(default_mix / reference - 1) < 0.01, (default_mix, reference)
 
