@@ -1595,7 +1595,7 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
 // The decoder layers of a Llama-family model (Llama, Qwen2) for a step of up to 32 tokens, in one
 // call from Python instead of ~80 ops per layer. It runs exactly the ops the Python modules run
 // on the CPU for such a step (the kernels above, in the same order and dtypes), so its output is
-// bitwise equal to theirs: tests/kernels/test_decoder_stack.py checks that.
+// bitwise equal to theirs: tests/models/test_decoder_stack.py checks that.
 
 // A projection as Linear._linear runs it: by its packed codes, or, in a layer that also keeps its
 // dense weight, by that weight for inputs of more than packed_max_rows rows.

@@ -169,25 +169,36 @@ class FusedExperts(nn.Module):
         `quantize`, on a fresh int4/int8 quantization of the dense weights); else dequantize the
         codes into the stacked dense parameters."""
         pending, self._pending_codes = self._pending_codes, {}
-        experts = range(self.num_experts)
         if quantize is not None and dtype == torch.bfloat16 and not pending:
             pending = {(expert, shard): quantize_weight(self._dense_matrix(expert, shard), quantize)
-                       for expert in experts for shard in EXPERT_SHARDS}
+                       for expert in range(self.num_experts) for shard in EXPERT_SHARDS}
             if any(weight is None for weight in pending.values()):  # K not on 32-groups
                 return
-        complete = len(pending) == self.num_experts * len(EXPERT_SHARDS)
-        if complete and dtype in (torch.float32, torch.bfloat16):
-            gate_up = [concat_rows([pending[e, "gate"], pending[e, "up"]]) for e in experts]
-            if all(merged is not None for merged in gate_up):
-                packed_gate_up = [packed_weight(merged, dtype) for merged in gate_up]
-                packed_down = [packed_weight(pending[e, "down"], dtype) for e in experts]
-                if all(module is not None for module in (*packed_gate_up, *packed_down)):
-                    self.packed_gate_up = nn.ModuleList(packed_gate_up)
-                    self.packed_down = nn.ModuleList(packed_down)
-                    self.gate_up_proj = self.down_proj = None  # the codes alone
-                    return
+        packed = self._pack(pending, dtype)
+        if packed is not None:
+            self.packed_gate_up, self.packed_down = packed
+            self.gate_up_proj = self.down_proj = None  # the codes alone
+            return
         for (expert, shard), weight in pending.items():
             self._dense_matrix(expert, shard).copy_(weight.dequantize())
+
+    def _pack(self, pending: dict[tuple[int, str], GGUFQuantWeight], dtype: torch.dtype
+              ) -> tuple[nn.ModuleList, nn.ModuleList] | None:
+        """Every expert's gate-up and down as packed modules, or None unless all of them pack
+        (every shard present, gate and up of one form, a packed kernel for `dtype`)."""
+        if len(pending) != self.num_experts * len(EXPERT_SHARDS):
+            return None
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None
+        experts = range(self.num_experts)
+        gate_up = [concat_rows([pending[e, "gate"], pending[e, "up"]]) for e in experts]
+        if any(merged is None for merged in gate_up):
+            return None
+        gate_up_modules = [packed_weight(merged, dtype) for merged in gate_up]
+        down_modules = [packed_weight(pending[e, "down"], dtype) for e in experts]
+        if any(module is None for module in (*gate_up_modules, *down_modules)):
+            return None
+        return nn.ModuleList(gate_up_modules), nn.ModuleList(down_modules)
 
     def forward(self, hidden_states: torch.Tensor, weights: torch.Tensor,
                 expert_ids: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
@@ -210,7 +221,6 @@ class FusedExperts(nn.Module):
         # The weights stay fp32 for the product, as transformers multiplies.
         weighted = (outputs * weights.flatten()[pair_order].unsqueeze(1)).to(outputs.dtype)
         return torch.zeros_like(hidden_states).index_add_(0, pair_tokens, weighted)
-
 
     def _gate_up(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         if self.packed_gate_up is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import gguf
 import numpy as np
@@ -112,17 +112,16 @@ def iter_gguf_weights(
         hf_name = _hf_tensor_name(tensor.name, config.architecture, path)
         shape = tuple(reversed(tensor.shape))  # GGUF lists dims innermost first
         data = tensor_data(file_data, header.byte_order, tensor)
-        if keep_packed and tensor.tensor_type in PACKABLE_TYPES and len(shape) == 2:
+        packable = keep_packed and tensor.tensor_type in PACKABLE_TYPES
+        if packable and len(shape) == 2:
             weight = decode_gguf_blocks(data, tensor.tensor_type, shape)
-        elif (keep_packed and tensor.tensor_type in PACKABLE_TYPES and len(shape) == 3
-              and ".mlp.experts." in hf_name):
+        elif packable and len(shape) == 3 and ".mlp.experts." in hf_name:
             # Stacked experts (E, rows, cols): each matrix row is one row of blocks, so the
-            # tensor decodes as one (E * rows, cols) matrix, yielded one expert at a time.
+            # tensor decodes as one (E * rows, cols) matrix.
             num_experts, rows, cols = shape
             stacked = decode_gguf_blocks(data, tensor.tensor_type, (num_experts * rows, cols))
-            stem, shard, _ = hf_name.rsplit(".", 2)  # model.layers.N.mlp.experts, gate_proj
-            for expert in range(num_experts):
-                yield f"{stem}.{expert}.{shard}.weight", stacked.narrow(0, expert * rows, rows)
+            yield from _per_expert(hf_name, (stacked.narrow(0, expert * rows, rows)
+                                             for expert in range(num_experts)))
             continue
         else:
             # NOTE: dequantize returns numpy (row-major) order.
@@ -144,13 +143,20 @@ def iter_gguf_weights(
             weight = weight.copy()
         weight = torch.from_numpy(weight).to(dtype)
         if ".mlp.experts." in hf_name:  # (E, rows, cols), dequantized: one matrix per expert
-            stem, shard, _ = hf_name.rsplit(".", 2)  # model.layers.N.mlp.experts, gate_proj
-            for expert, expert_weight in enumerate(weight):
-                yield f"{stem}.{expert}.{shard}.weight", expert_weight
+            yield from _per_expert(hf_name, weight)
         elif hf_name.endswith(".shared_expert_gate.weight"):
             yield hf_name, weight.reshape(1, -1)  # llama.cpp stores the (1, H) gate as (H,)
         else:
             yield hf_name, weight
+
+
+def _per_expert(hf_name: str, matrices: Iterable[torch.Tensor | GGUFQuantWeight]
+                ) -> Iterator[tuple[str, torch.Tensor | GGUFQuantWeight]]:
+    """A stacked expert tensor's matrices, in expert order, under their per-expert HF names
+    (model.layers.N.mlp.experts.gate_proj.weight -> ...experts.E.gate_proj.weight)."""
+    stem, shard, _ = hf_name.rsplit(".", 2)
+    for expert, matrix in enumerate(matrices):
+        yield f"{stem}.{expert}.{shard}.weight", matrix
 
 
 def _read_config(header: GGUFHeader, path: str) -> ModelConfig:
