@@ -40,7 +40,7 @@ from pagedserve.benchmarks.hybrid_kv import compare_hybrid_kv, format_hybrid_kv_
 from pagedserve.benchmarks.serve import percentile
 from pagedserve.benchmarks.step_profile import format_profile, profile_steps
 from pagedserve.core.stats import SpecDecodingStats
-from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.arg_utils import EngineArgs, resolve_dtype
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.observability.events import EventBus, RequestScheduled
@@ -467,7 +467,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "mean_tpot": _safe_div(one_process["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
         }
     if args.baseline == "hf":
-        hf, hf_output_ids = run_hf(model_path, engine_args.dtype, workload, args.hf_batch_size)
+        hf, hf_output_ids = run_hf(model_path, resolve_dtype(engine_args.dtype, engine_args.device), workload, args.hf_batch_size)
         # Greedy on both sides, so identical outputs are expected up to numerics.
         hf["num_outputs_identical_to_ours"] = sum(
             a == b for a, b in zip(our_output_ids, hf_output_ids)
@@ -561,7 +561,7 @@ def _config(
 ) -> dict[str, Any]:
     config = {
         "model_path": model_path,
-        "dtype": engine_args.dtype,
+        "dtype": resolve_dtype(engine_args.dtype, engine_args.device),
         "dataset": "chat-prompt" if args.chat_prompt else args.dataset,
         "num_prompts": len(workload.prompt_token_ids),
         "output_len": workload.output_len,

@@ -14,6 +14,9 @@
 
 inline std::string pagedserve_build_isa() {
   std::string isa;
+#if defined(__AVX2__)
+  isa += " avx2";
+#endif
 #if defined(__AVX512F__)
   isa += " avx512f";
 #endif

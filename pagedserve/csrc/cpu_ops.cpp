@@ -31,6 +31,11 @@
 #if defined(__AVX512VNNI__)
 #define PAGEDSERVE_VNNI 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// CPUs without AVX-512 (AMD EPYC Zen 2 and 3, older Xeons): the fp32 path's exact matmul in
+// 8-wide registers; the other kernels run their portable loops, vectorized by the compiler.
+#include <immintrin.h>
+#define PAGEDSERVE_AVX2 1
 #endif
 
 namespace {
@@ -121,6 +126,38 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+#endif
+
+#ifdef PAGEDSERVE_AVX2
+// The 8-wide counterparts of the loads and stores above (fp32 and bf16 rows).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256i bf16_bits8(__m256 v) {  // round to nearest even, as c10::BFloat16 converts
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+}
+inline __m256 round_as8(__m256 v, const float*) { return v; }
+inline __m256 round_as8(__m256 v, const c10::BFloat16*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i words = _mm256_packus_epi32(bf16_bits8(v), _mm256_setzero_si256());  // per lane
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(words, 0x08)));
+}
+// The sum of 8 floats in the order torch's AVX2 reductions take (halves, then pairs, then
+// neighbours), so that a norm's statistics are torch's bit for bit.
+inline float reduce_add8(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x1));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+  return _mm256_cvtss_f32(v);
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -252,6 +289,12 @@ inline __m512i group_dot(const __m512i* w, const Q* xg) {
 // store fp16 themselves): a sixth fewer bytes to stream per weight.
 inline float scale_at(const float* p, int64_t i) { return p[i]; }
 inline float scale_at(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+#ifdef PAGEDSERVE_AVX2
+inline __m256 load8_scales(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_scales(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
 #ifdef PAGEDSERVE_AVX512
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales(const c10::Half* p) {
@@ -453,6 +496,29 @@ inline void dequantize_group(const uint8_t* cg, const S* scales, const S* mins, 
       }
     }
   }
+#elif defined(PAGEDSERVE_AVX2)
+  // The same panel, each 16-column vector as two halves of 8 (columns 0-7, then 8-15).
+  for (int h = 0; h < 2; ++h) {
+    const __m256 scale = load8_scales(scales + 8 * h), minimum = load8_scales(mins + 8 * h);
+    for (int i = 0; i < kChunks; ++i) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + i * 64 + 32 * h));
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (kBits == 4) {
+          const __m256i nibble = _mm256_set1_epi32(0x0F);
+          const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 8 * e), nibble));
+          const __m256 high =
+              _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 8 * e + 4), nibble));
+          _mm256_storeu_ps(out + (i * 8 + 2 * e) * stride + 8 * h, _mm256_fmadd_ps(scale, low, minimum));
+          _mm256_storeu_ps(out + (i * 8 + 2 * e + 1) * stride + 8 * h,
+                           _mm256_fmadd_ps(scale, high, minimum));
+        } else {
+          const __m256 byte = _mm256_cvtepi32_ps(
+              _mm256_and_si256(_mm256_srli_epi32(raw, 8 * e), _mm256_set1_epi32(0xFF)));
+          _mm256_storeu_ps(out + (i * 4 + e) * stride + 8 * h, _mm256_fmadd_ps(scale, byte, minimum));
+        }
+      }
+    }
+  }
 #else
   for (int j = 0; j < kExactVectors; ++j)
     for (int col = 0; col < 16; ++col) {
@@ -461,6 +527,42 @@ inline void dequantize_group(const uint8_t* cg, const S* scales, const S* mins, 
     }
 #endif
 }
+
+#ifdef PAGEDSERVE_AVX2
+// Rows kRow0 .. kRow0 + kPieceRows - 1 of an exact tile (below), columns 8h .. 8h + 7 of each
+// block.
+template <int kBits, int kRows, int kBlocks, int kRow0, int kPieceRows>
+inline void exact_piece_avx2(const float* panel, int64_t groups, const float* xt, float* sums,
+                             bool first, int h) {
+  __m256 acc[kPieceRows][kBlocks][kExactParts];
+  auto at = [&](int r, int b, int p) {
+    return sums + (((kRow0 + r) * kBlocks + b) * kExactParts + p) * 16 + 8 * h;
+  };
+  for (int r = 0; r < kPieceRows; ++r)
+    for (int b = 0; b < kBlocks; ++b)
+      for (int p = 0; p < kExactParts; ++p)
+        acc[r][b][p] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(at(r, b, p));
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* wg = panel + g * kExactVectors * kBlocks * 16 + 8 * h;
+    const float* xg = xt + g * kGroup * kRows + kRow0;
+#pragma GCC unroll 32
+    for (int j = 0; j < kExactVectors; ++j) {
+      const int part = exact_part(j);
+      const int element = exact_element<kBits>(j);
+      __m256 w[kBlocks];
+      for (int b = 0; b < kBlocks; ++b) w[b] = _mm256_loadu_ps(wg + (j * kBlocks + b) * 16);
+      for (int r = 0; r < kPieceRows; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(xg + element * kRows + r);
+        for (int b = 0; b < kBlocks; ++b)
+          acc[r][b][part] = _mm256_fmadd_ps(w[b], xv, acc[r][b][part]);
+      }
+    }
+  }
+  for (int r = 0; r < kPieceRows; ++r)
+    for (int b = 0; b < kBlocks; ++b)
+      for (int p = 0; p < kExactParts; ++p) _mm256_storeu_ps(at(r, b, p), acc[r][b][p]);
+}
+#endif
 
 // kRows interleaved activation rows (xt[element][row]) times `groups` groups of kBlocks
 // dequantized column blocks, added to the partial sums sums[r][block][part][16 columns] (each
@@ -500,6 +602,15 @@ inline void exact_tile(const float* panel, int64_t groups, const float* xt, floa
     for (int b = 0; b < kBlocks; ++b)
       for (int p = 0; p < kExactParts; ++p)
         _mm512_storeu_ps(sums + ((r * kBlocks + b) * kExactParts + p) * 16, acc[r][b][p]);
+#elif defined(PAGEDSERVE_AVX2)
+  // 16 registers cannot hold a whole tile's sums in 8-wide halves, so the tile is walked in
+  // pieces (two rows, one half of each block), each over all the groups: a piece's panel reads
+  // come from L1, and every sum still takes its products in the order above.
+  for (int h = 0; h < 2; ++h) {
+    exact_piece_avx2<kBits, kRows, kBlocks, 0, (kRows < 2 ? kRows : 2)>(panel, groups, xt, sums, first, h);
+    if constexpr (kRows > 2)
+      exact_piece_avx2<kBits, kRows, kBlocks, 2, kRows - 2>(panel, groups, xt, sums, first, h);
+  }
 #else
   for (int r = 0; r < kRows; ++r)
     for (int b = 0; b < kBlocks; ++b)
@@ -628,7 +739,7 @@ void exact_linear_dispatch(const float* x, int64_t rows, int64_t k, int64_t bits
 // Whether activation_bits = 32 runs vectorized here; the scalar fallback is correct but slower
 // than a dense fp32 matmul, so the layers then keep their dense weights instead.
 bool exact_linear_vectorized() {
-#ifdef PAGEDSERVE_AVX512
+#if defined(PAGEDSERVE_AVX512) || defined(PAGEDSERVE_AVX2)
   return true;
 #else
   return false;
@@ -814,6 +925,26 @@ void add_rms_norm_impl(const T* x, T* residual_out, const T* residual_in, const 
           if (residual_out) store16(residual_out + r * h + i, v);
           store16(out + r * h + i,
                   _mm512_mul_ps(load16(weight + i), round_as(_mm512_mul_ps(v, inv_v), x)));
+        }
+        continue;
+      }
+#elif defined(PAGEDSERVE_AVX2)
+      if (h % 8 == 0) {
+        __m256 sq = _mm256_setzero_ps();
+        for (int64_t i = 0; i < h; i += 8) {
+          __m256 v = load8(x + r * h + i);
+          if (residual_in) v = round_as8(_mm256_add_ps(v, load8(residual_in + r * h + i)), x);
+          _mm256_storeu_ps(s.data() + i, v);
+          sq = _mm256_fmadd_ps(v, v, sq);
+        }
+        const float inv = 1.f / std::sqrt(reduce_add8(sq) / static_cast<float>(h) +
+                                          static_cast<float>(eps));
+        const __m256 inv_v = _mm256_set1_ps(inv);
+        for (int64_t i = 0; i < h; i += 8) {
+          const __m256 v = _mm256_loadu_ps(s.data() + i);
+          if (residual_out) store8(residual_out + r * h + i, v);
+          store8(out + r * h + i,
+                 _mm256_mul_ps(load8(weight + i), round_as8(_mm256_mul_ps(v, inv_v), x)));
         }
         continue;
       }

@@ -54,8 +54,9 @@ VLLM_SERVE_FLAGS: tuple[VLLMFlag, ...] = (
              "lists each, metrics carry the first", ("a", "b")),
     VLLMFlag("--tokenizer", _M, "must name the model itself (the tokenizer is read from the "
              "model's GGUF file or directory); anything else is an error", ("smollm2-135m",)),
-    VLLMFlag("--dtype", _M, "auto and bfloat16: bfloat16; float and float32: float32; half and "
-             "float16: float16 (cuda only)", ("float32",)),
+    VLLMFlag("--dtype", _M, "auto (the default): bfloat16 on cuda and on CPUs with AVX512-BF16 "
+             "or AMX-BF16, else float32; float and float32: float32; half and float16: float16 "
+             "(cuda only)", ("float32",)),
     VLLMFlag("--seed", _S, "seeds the engine's sampling stream", ("1",)),
     VLLMFlag("--max-model-len", _S, "default: the model's context; 4096, 32k or 32K as in "
              "vLLM", ("32k",)),

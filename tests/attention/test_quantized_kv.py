@@ -32,6 +32,7 @@ from pagedserve.attention.reference import reference_paged_attention
 from pagedserve.kernels import cpu_ops
 from pagedserve.sampling_params import SamplingParams
 from tests.prompts import CHAT_QUESTIONS, chat_prompt
+from tests.cpu import NATIVE_BF16
 
 BLOCK_SIZE = 4
 NUM_HEADS, NUM_KV_HEADS = 6, 2  # GQA: 3 query heads per KV head
@@ -315,6 +316,7 @@ def _perplexity(llm, token_ids: list[int]) -> float:
     return math.exp(-statistics.mean(logprobs))
 
 
+@NATIVE_BF16
 @pytest.mark.slow
 def test_quantized_kv_quality_on_the_real_model(make_llm, tokenizer):
     """bf16 engine, default settings; prompts prefilled in 256-token chunks, so every chunk after

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.arg_utils import EngineArgs, resolve_dtype
 from pagedserve.entrypoints import vllm_flags
 from pagedserve.entrypoints.cli import build_parser
 from pagedserve.entrypoints.openai.api_server import ServerConfig
@@ -251,3 +251,22 @@ def test_gpu_memory_utilization_sizes_the_pool_on_cuda(monkeypatch):
                                            ("1.5k", 1500), ("1M", 1 << 20)])
 def test_max_model_len_takes_vllm_human_readable_forms(value, tokens):
     assert parse_serve("--max-model-len", value).max_model_len == tokens
+
+
+@pytest.mark.parametrize("dtype, device, flags, resolved", [
+    ("auto", "cpu", {"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),  # AMD EPYC Zen 4
+    ("auto", "cpu", {"avx2", "avx512f", "amx_bf16"}, "bfloat16"),  # Intel Xeon with AMX
+    ("auto", "cpu", {"avx2", "fma"}, "float32"),  # AMD EPYC Zen 2: bf16 would be emulated
+    ("auto", "cpu", set(), "float32"),  # no /proc/cpuinfo flags (not x86)
+    ("auto", "cuda", set(), "bfloat16"),
+    ("float", "cpu", {"avx512_bf16"}, "float32"),
+    ("half", "cuda", set(), "float16"),
+    ("bfloat16", "cpu", set(), "bfloat16"),  # asked for by name: served, emulated or not
+])
+def test_auto_dtype_is_bf16_only_where_the_device_computes_it(dtype, device, flags, resolved):
+    assert resolve_dtype(dtype, device, cpu_flags=flags) == resolved
+
+
+def test_default_dtype_is_auto_resolved_for_this_machine(model_path):
+    config = EngineArgs(model=model_path).create_engine_config()
+    assert config.device.dtype == resolve_dtype("auto", "cpu")

@@ -17,6 +17,7 @@ import torch
 from pagedserve.engine.llm import LLM
 from pagedserve.executor import ExecutorError
 from pagedserve.sampling_params import SamplingParams
+from tests.cpu import NATIVE_BF16
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,6 +115,7 @@ def test_smollm2_tp3_and_pp2_equal_one_process(model_path):
         assert_workers_gone(llm)
 
 
+@NATIVE_BF16
 def test_packed_gguf_bf16_tp3_equals_its_one_process_run(model_path):
     """bf16 with the GGUF codes kept packed (the default on the CPU): each rank multiplies by its
     shard of the codes. Partial sums are added by the all-reduce in another order than one

@@ -60,3 +60,17 @@ def test_source_hash_follows_every_source_and_header(tmp_path):
     (tmp_path / "b.h").write_text("int b2;")
     assert extension_build.source_hash(tmp_path) != before
     assert extension_build.source_files(tmp_path) == [tmp_path / "a.cpp"]
+
+
+@pytest.mark.parametrize("cpu, wanted, unwanted", [
+    ({"avx2", "fma", "f16c"}, {"-mavx2", "-mfma", "-mf16c"}, {"-mavx512f"}),  # AMD EPYC Zen 2
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+     {"-mavx2", "-mavx512f", "-mavx512bf16"}, {"-mavx512vnni"}),
+    ({"avx2", "f16c"}, set(), {"-mavx2", "-mfma"}),  # no FMA: the baseline build
+    ({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, set(), {"-mavx512f"}),  # never without AVX2
+])
+def test_compile_flags_follow_the_building_cpu(cpu, wanted, unwanted):
+    flags = extension_build.compile_flags(cpu)
+    assert wanted <= set(flags) and not unwanted & set(flags)
+    # The loader needs the running CPU to have each set the build used, and nothing else.
+    assert extension_build.required_cpu_flags(flags) <= cpu
