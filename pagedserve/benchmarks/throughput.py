@@ -40,7 +40,7 @@ from pagedserve.benchmarks.hybrid_kv import compare_hybrid_kv, format_hybrid_kv_
 from pagedserve.benchmarks.serve import percentile
 from pagedserve.benchmarks.step_profile import format_profile, profile_steps
 from pagedserve.core.stats import SpecDecodingStats
-from pagedserve.engine.arg_utils import EngineArgs, resolve_dtype
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.observability.events import EventBus, RequestScheduled
@@ -387,6 +387,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(**vars(engine_args))
     load_time = time.monotonic() - load_start  # as run_hf's: construction, weights included
     model_path = llm.engine.config.model_path
+    dtype = llm.engine.config.device.dtype  # --dtype auto as the engine resolved it
     workload = make_workload(args, llm.get_tokenizer().vocab_size)
     if args.chat_prompt:
         workload = _chat_workload(llm.get_tokenizer(), args.chat_prompt, args.output_len)
@@ -439,7 +440,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
 
     result: dict[str, Any] = {
-        "config": _config(args, engine_args, workload, model_path, load_average_start),
+        "config": _config(args, engine_args, workload, model_path, dtype, load_average_start),
         "pagedserve": ours,
         "no_spec": no_spec,
         "spec_speedup": None,
@@ -467,7 +468,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "mean_tpot": _safe_div(one_process["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
         }
     if args.baseline == "hf":
-        hf, hf_output_ids = run_hf(model_path, resolve_dtype(engine_args.dtype, engine_args.device), workload, args.hf_batch_size)
+        hf, hf_output_ids = run_hf(model_path, dtype, workload, args.hf_batch_size)
         # Greedy on both sides, so identical outputs are expected up to numerics.
         hf["num_outputs_identical_to_ours"] = sum(
             a == b for a, b in zip(our_output_ids, hf_output_ids)
@@ -557,11 +558,11 @@ def format_events_comparison(events: dict[str, Any]) -> str:
 
 def _config(
     args: argparse.Namespace, engine_args: EngineArgs, workload: Workload, model_path: str,
-    load_average_start: float,
+    dtype: str, load_average_start: float,
 ) -> dict[str, Any]:
     config = {
         "model_path": model_path,
-        "dtype": resolve_dtype(engine_args.dtype, engine_args.device),
+        "dtype": dtype,
         "dataset": "chat-prompt" if args.chat_prompt else args.dataset,
         "num_prompts": len(workload.prompt_token_ids),
         "output_len": workload.output_len,
@@ -638,7 +639,7 @@ def compare_prefix_cache(args: argparse.Namespace, engine_args: EngineArgs) -> d
     for cache, kwargs in engine_kwargs.items():
         llm = LLM(**kwargs)
         if cache == "off":
-            model_path = llm.engine.config.model_path
+            model_path, dtype = llm.engine.config.model_path, llm.engine.config.device.dtype
             workload = make_workload(args, llm.get_tokenizer().vocab_size)
             first, repeats = split_first_questions(workload, args.num_docs)
         for name, batch in (("first", first), ("repeats", repeats)):
@@ -651,7 +652,7 @@ def compare_prefix_cache(args: argparse.Namespace, engine_args: EngineArgs) -> d
 
     off_ids = output_ids["cache_off_first"] + output_ids["cache_off_repeats"]
     on_ids = output_ids["cache_on_first"] + output_ids["cache_on_repeats"]
-    config = _config(args, engine_args, workload, model_path, load_average_start)
+    config = _config(args, engine_args, workload, model_path, dtype, load_average_start)
     config.update(questions_per_doc=num_questions_per_doc(args),
                   block_size=engine_args.block_size,
                   load_average_1min_end=os.getloadavg()[0])

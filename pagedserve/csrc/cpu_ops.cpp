@@ -32,8 +32,9 @@
 #define PAGEDSERVE_VNNI 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// CPUs without AVX-512 (AMD EPYC Zen 2 and 3, older Xeons): the fp32 path's exact matmul in
-// 8-wide registers; the other kernels run their portable loops, vectorized by the compiler.
+// CPUs without AVX-512 (AMD EPYC Zen 2 and 3, older Xeons): the fp32 path's exact matmul and
+// RMSNorm in 8-wide registers; the other kernels run their portable loops, vectorized by the
+// compiler.
 #include <immintrin.h>
 #define PAGEDSERVE_AVX2 1
 #endif
