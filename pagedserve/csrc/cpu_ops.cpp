@@ -837,40 +837,97 @@ torch::Tensor pack_codes(torch::Tensor codes, int64_t bits) {
   return packed;
 }
 
+// One column's 32 weights of one group, dequantized (scale * code + min, one rounding to T) into
+// dst[0..31]. cg: the group's code bytes (the layout above), col: the column in its block.
+template <int kBits, typename T>
+inline void dequantize_column_group(const uint8_t* cg, int col, float scale, float minimum,
+                                    T* dst) {
+  // The column's 4-byte lane of each chunk, in element order (4-bit: element j in the low nibble
+  // of byte j, element 16 + j in its high nibble; 8-bit: element j in byte j).
+  uint8_t bytes[kBits == 4 ? 16 : 32];
+  for (int chunk = 0; chunk < (kBits == 4 ? 4 : 8); ++chunk)
+    std::memcpy(bytes + chunk * 4, cg + chunk * 64 + col * 4, 4);
+#ifdef PAGEDSERVE_AVX512
+  const __m512 s = _mm512_set1_ps(scale), m = _mm512_set1_ps(minimum);
+  if constexpr (kBits == 4) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    store16(dst, _mm512_fmadd_ps(s, low, m));
+    store16(dst + 16, _mm512_fmadd_ps(s, high, m));
+  } else {
+    for (int h = 0; h < 2; ++h) {
+      const __m512i b =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * h)));
+      store16(dst + 16 * h, _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(b), m));
+    }
+  }
+#elif defined(PAGEDSERVE_AVX2)
+  const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(minimum);
+  for (int q = 0; q < (kBits == 4 ? 2 : 4); ++q) {  // 8 bytes at a time
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * q)));
+    if constexpr (kBits == 4) {
+      const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
+      const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+      store8(dst + 8 * q, _mm256_fmadd_ps(s, low, m));
+      store8(dst + 16 + 8 * q, _mm256_fmadd_ps(s, high, m));
+    } else {
+      store8(dst + 8 * q, _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(b), m));
+    }
+  }
+#else
+  for (int j = 0; j < (kBits == 4 ? 16 : 32); ++j) {
+    // scale * code is exact (see the exact path above): one rounding, as in the reference.
+    if constexpr (kBits == 4) {
+      dst[j] = static_cast<T>(std::fma(scale, static_cast<float>(bytes[j] & 0x0F), minimum));
+      dst[16 + j] = static_cast<T>(std::fma(scale, static_cast<float>(bytes[j] >> 4), minimum));
+    } else {
+      dst[j] = static_cast<T>(std::fma(scale, static_cast<float>(bytes[j]), minimum));
+    }
+  }
+#endif
+}
+
+// Row `row` of the matrix (a column of the layout) as k dense values.
+template <int kBits, typename S, typename T>
+inline void dequantize_row(const uint8_t* codes, const S* scales, const S* mins, int64_t groups,
+                           int64_t row, T* dst) {
+  const int64_t group_bytes = (kBits == 4 ? 4 : 8) * 64;
+  const int64_t b = row / 16;
+  const int col = static_cast<int>(row % 16);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t at = (b * groups + g) * 16 + col;
+    dequantize_column_group<kBits, T>(codes + (b * groups + g) * group_bytes, col,
+                                      scale_at(scales, at), scale_at(mins, at), dst + g * kGroup);
+  }
+}
+
 template <int kBits, typename S, typename T>
 void dequantize_codes_impl(const uint8_t* codes, const S* scales, const S* mins, int64_t n,
                            int64_t k, T* out) {
-  const int64_t groups = k / kGroup, blocks = (n + 15) / 16;
-  const int64_t group_bytes = (kBits == 4 ? 4 : 8) * 64;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int col = 0; col < 16 && b * 16 + col < n; ++col) {
-        T* row = out + (b * 16 + col) * k;
-        for (int64_t g = 0; g < groups; ++g) {
-          const uint8_t* cg = codes + (b * groups + g) * group_bytes + col * 4;
-          // The column's 4-byte lanes of each chunk, in element order (4-bit: element j in the
-          // low nibble of byte j, element 16 + j in its high nibble).
-          uint8_t bytes[kBits == 4 ? 16 : 32];
-          for (int chunk = 0; chunk < (kBits == 4 ? 4 : 8); ++chunk)
-            std::memcpy(bytes + chunk * 4, cg + chunk * 64, 4);
-          float values[kGroup];
-          if constexpr (kBits == 4) {
-            for (int j = 0; j < 16; ++j) {
-              values[j] = static_cast<float>(bytes[j] & 0x0F);
-              values[16 + j] = static_cast<float>(bytes[j] >> 4);
-            }
-          } else {
-            for (int j = 0; j < kGroup; ++j) values[j] = static_cast<float>(bytes[j]);
-          }
-          const float scale = scale_at(scales, (b * groups + g) * 16 + col);
-          const float minimum = scale_at(mins, (b * groups + g) * 16 + col);
-          // scale * code is exact (see the exact path above): one rounding, as in the reference.
-          T* dst = row + g * kGroup;
-          for (int e = 0; e < kGroup; ++e)
-            dst[e] = static_cast<T>(std::fma(scale, values[e], minimum));
-        }
-      }
+  const int64_t groups = k / kGroup;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      dequantize_row<kBits, S, T>(codes, scales, mins, groups, row, out + row * k);
   });
+}
+
+// Calls run(kBits, scales, mins) with the layout's bit width as a constant and its scales typed.
+template <typename Run>
+void with_layout_types(int64_t bits, const torch::Tensor& scales, const torch::Tensor& mins,
+                       Run run) {
+  auto typed = [&](auto* s, auto* m) {
+    if (bits == 4) {
+      run(std::integral_constant<int, 4>{}, s, m);
+    } else {
+      run(std::integral_constant<int, 8>{}, s, m);
+    }
+  };
+  if (scales.scalar_type() == torch::kFloat32) {
+    typed(scales.data_ptr<float>(), mins.data_ptr<float>());
+  } else {
+    typed(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
+  }
 }
 
 // The layout's weights as dense rows written into out ([N, K] fp32 or bf16, contiguous; bf16
@@ -883,20 +940,85 @@ void dequantize_codes(torch::Tensor codes, torch::Tensor scales, torch::Tensor m
   check_layout(codes, scales, mins, n, k, bits);
   const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   DISPATCH_FLOAT_OR_BF16(out.scalar_type(), "dequantize_codes", [&] {
-    auto run = [&](auto* s, auto* m) {
+    with_layout_types(bits, scales, mins, [&](auto width, auto* s, auto* m) {
       using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
-      if (bits == 4) {
-        dequantize_codes_impl<4, S, scalar_t>(c, s, m, n, k, out.data_ptr<scalar_t>());
-      } else {
-        dequantize_codes_impl<8, S, scalar_t>(c, s, m, n, k, out.data_ptr<scalar_t>());
-      }
-    };
-    if (scales.scalar_type() == torch::kFloat32) {
-      run(scales.data_ptr<float>(), mins.data_ptr<float>());
-    } else {
-      run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
-    }
+      dequantize_codes_impl<decltype(width)::value, S, scalar_t>(c, s, m, n, k,
+                                                                  out.data_ptr<scalar_t>());
+    });
   });
+}
+
+// Rows `ids` of the matrix as dense rows (T, K) in `dtype`: an embedding table looked up on its
+// codes, the values dequantize_codes writes (so the table need not be held dense).
+torch::Tensor embedding_from_codes(torch::Tensor ids, torch::Tensor codes, torch::Tensor scales,
+                                   torch::Tensor mins, int64_t n, int64_t k, int64_t bits,
+                                   at::ScalarType dtype) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  check_layout(codes, scales, mins, n, k, bits);
+  const torch::Tensor flat = ids.reshape(-1).to(torch::kLong).contiguous();
+  const int64_t* id = flat.data_ptr<int64_t>();
+  const int64_t count = flat.numel();
+  for (int64_t t = 0; t < count; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < n, "embedding id ", id[t], " is out of range [0, ", n, ")");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  torch::Tensor out = torch::empty(shape, codes.options().dtype(dtype));
+  const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const int64_t groups = k / kGroup;
+  DISPATCH_FLOAT_OR_BF16(dtype, "embedding_from_codes", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    with_layout_types(bits, scales, mins, [&](auto width, auto* s, auto* m) {
+      using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+      at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+          dequantize_row<decltype(width)::value, S, scalar_t>(c, s, m, groups, id[t], o + t * k);
+      });
+    });
+  });
+  return out;
+}
+
+// The largest panel dequantize_linear dequantizes at once, in weights: 4 MiB of bf16 (a layer of
+// a small model is one panel; a 49k-token head, 14).
+constexpr int64_t kPanelWeights = int64_t{1} << 21;
+
+// x @ W^T (+ bias) as torch's dense matmul computes it, W dequantized from the layout into a
+// scratch panel (the exact values of the dense copy, see dequantize_codes) a panel of rows at a
+// time, so a layer need not hold a dense copy for large batches. Each panel's columns of y are
+// F.linear of the panel (addmm with the bias). In bf16 (oneDNN) that is bitwise what the whole
+// matrix gives there (tests/kernels/test_cpu_ops.py); fp32 (MKL, not served this way) may sum a
+// narrower panel in another order.
+torch::Tensor dequantize_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                torch::Tensor mins, int64_t n, int64_t bits,
+                                c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "x must be (rows, K)");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t k = x.size(1);
+  check_layout(codes, scales, mins, n, k, bits);
+  const int64_t groups = k / kGroup, group_bytes = (bits == 4 ? 4 : 8) * 64;
+  const int64_t panel_rows = std::max<int64_t>(16, kPanelWeights / k / 16 * 16);
+  if (panel_rows >= n) {
+    torch::Tensor w = torch::empty({n, k}, x.options());
+    dequantize_codes(codes, scales, mins, bits, w);
+    return bias ? torch::linear(x, w, *bias) : torch::linear(x, w);
+  }
+  torch::Tensor y = torch::empty({x.size(0), n}, x.options());
+  torch::Tensor panel = torch::empty({panel_rows, k}, x.options());
+  for (int64_t row = 0; row < n; row += panel_rows) {
+    const int64_t rows = std::min(panel_rows, n - row), block = row / 16;
+    const int64_t blocks = (rows + 15) / 16;
+    torch::Tensor w = panel.narrow(0, 0, rows);
+    dequantize_codes(codes.narrow(0, block * groups * group_bytes, blocks * groups * group_bytes),
+                     scales.view(-1).narrow(0, block * groups * 16, blocks * groups * 16),
+                     mins.view(-1).narrow(0, block * groups * 16, blocks * groups * 16), bits, w);
+    torch::Tensor out = y.narrow(1, row, rows);
+    if (bias) {
+      torch::addmm_out(out, bias->narrow(0, row, rows), x, w.t());
+    } else {
+      torch::mm_out(out, x, w.t());
+    }
+  }
+  return y;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1729,17 +1851,19 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
 // on the CPU for such a step (the kernels above, in the same order and dtypes), so its output is
 // bitwise equal to theirs: tests/models/test_decoder_stack.py checks that.
 
-// A projection as Linear._linear runs it: by its packed codes, or, in a layer that also keeps its
-// dense weight, by that weight for inputs of more than packed_max_rows rows.
+// A projection as Linear._linear runs it: by its packed codes, or, in a layer loaded from GGUF
+// codes in bf16, for inputs of more than packed_max_rows rows by torch's matmul on its weights
+// dequantized (dequantize_linear: the dense weights' product, with none held).
 struct PackedLinear {
   torch::Tensor codes, scales, mins;
   c10::optional<torch::Tensor> bias;
   int64_t out_features, bits, activation_bits;
-  c10::optional<torch::Tensor> dense;
+  bool dense_above_max_rows;
   int64_t packed_max_rows;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (dense && x.size(0) > packed_max_rows) return torch::linear(x, *dense, bias);  // F.linear
+    if (dense_above_max_rows && x.size(0) > packed_max_rows)  // Linear: F.linear's product
+      return dequantize_linear(x, codes, scales, mins, out_features, bits, bias);
     torch::Tensor y = quant_linear(x, codes, scales, mins, out_features, bits, activation_bits,
                                    c10::nullopt);
     return bias ? y + *bias : y;  // as Linear.forward: the bias added in the compute dtype
@@ -1776,21 +1900,20 @@ class DecoderStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
         cos_cache_(cos_cache), sin_cache_(sin_cache), final_norm_(final_norm) {}
 
-  // linears: (codes, scales, mins, bias or None, out_features, bits, activation_bits, dense
-  // weight or None, packed_max_rows) each
+  // linears: (codes, scales, mins, bias or None, out_features, bits, activation_bits,
+  // dense_above_max_rows, packed_max_rows) each
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
                  const std::vector<py::tuple>& linears) {
     TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
     std::vector<PackedLinear> parsed;
     for (const auto& l : linears) {
       TORCH_CHECK(l.size() == 9, "a linear is 9 fields");
-      c10::optional<torch::Tensor> bias, dense;
+      c10::optional<torch::Tensor> bias;
       if (!l[3].is_none()) bias = l[3].cast<torch::Tensor>();
-      if (!l[7].is_none()) dense = l[7].cast<torch::Tensor>();
       parsed.push_back(PackedLinear{l[0].cast<torch::Tensor>(), l[1].cast<torch::Tensor>(),
                                     l[2].cast<torch::Tensor>(), bias, l[4].cast<int64_t>(),
-                                    l[5].cast<int64_t>(), l[6].cast<int64_t>(), dense,
-                                    l[8].cast<int64_t>()});
+                                    l[5].cast<int64_t>(), l[6].cast<int64_t>(),
+                                    l[7].cast<bool>(), l[8].cast<int64_t>()});
     }
     layers_.push_back(DecoderLayerWeights{input_norm, post_attention_norm, parsed[0], parsed[1],
                                           parsed[2], parsed[3]});
@@ -1863,6 +1986,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_codes", &pack_codes, "GGUF codes (N, K), one per byte -> quant_linear's layout");
   m.def("dequantize_codes", &dequantize_codes,
         "quant_linear's layout -> dense (N, K) rows, written into out");
+  m.def("embedding_from_codes", &embedding_from_codes,
+        "rows of quant_linear's layout as dense rows (T, K): an embedding lookup on the codes");
+  m.def("dequantize_linear", &dequantize_linear,
+        "x @ W^T (+ bias) by torch's matmul on W dequantized from quant_linear's layout, by panels",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("n"),
+        py::arg("bits"), py::arg("bias") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm after an optional residual add");
   m.def("rotary_inplace", &rotary_inplace, "rotary embedding on q and k in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

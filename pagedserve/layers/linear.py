@@ -19,11 +19,15 @@ narrowed to the rank's part still packed, set aside on the parameter, and
 `process_weights_after_loading` packs the whole layer for the int4 kernel when every shard is
 packable, else dequantizes into the dense weight (the slow reference).
 
-A packed layer keeps its dense bf16 weight too and picks per call by the number of rows. The
-packed kernel (the compiled VNNI one, `GroupQuantizedWeight`, else torch's int4 kernel) reads a
-quarter of the bytes, so it wins while the matmul is bound by memory: 3-4x dense bf16 at 1 row,
-about even by 8 to 32 rows, behind in prefill, where dense bf16 runs near the CPU's peak. The price
-is memory: both copies stay resident.
+In bf16 a packed layer picks its product per call by the number of rows. The compiled VNNI
+kernel (`GroupQuantizedWeight`) reads a quarter of the bytes, so it wins while the matmul is
+bound by memory (3-4x dense bf16 at 1 row, ahead up to ~128 rows) and falls behind in
+prefill, where dense bf16 runs near the CPU's peak. Above PACKED_MAX_ROWS the layer therefore
+runs torch's dense matmul, on its weights dequantized from the codes per call (`GroupQuantizedWeight.dense_product`):
+bitwise the dense layer's output, for a dequantization that costs a few percent of such a
+matmul, and no dense copy held. Only where the compiled kernels are missing (torch's int4 kernel
+serves the codes) does a layer keep its dense bf16 weight beside them, for inputs of more than
+TORCH_INT4_MAX_ROWS rows.
 
 In fp32 (on the CPU, with the compiled kernels) a layer whose shards all pack keeps only its codes
 and runs every row count on them: the kernel dequantizes each weight exactly (the dense model's
@@ -58,11 +62,18 @@ from pagedserve.layers.quantized import (
 
 logger = logging.getLogger(__name__)
 
-PACKED_MAX_ROWS = 8
-"""Rows up to which a layer holding both forms multiplies by its int4 codes (see module doc)."""
-HEAD_PACKED_MAX_ROWS = 32
-"""The same for a tied head on the compiled kernel: at 32 rows it measured 6.4 ms against dense
-bf16's 8.9 (SmolLM2's 49,152 x 576 head, 2 threads), where the smaller layers are already even."""
+PACKED_MAX_ROWS = 128
+"""Rows up to which a bf16 layer multiplies by its codes; above, by the dense product (see the
+module doc). Measured on SmolLM2-135M's layers (AMD EPYC Zen 4, 2 threads): the codes took 1.13x
+less time than the dense product at 128 rows and 1.17x more at 256; in whole steps, where a
+layer's weights come from memory rather than cache, batch-32 decode ran 1.2-1.5x faster on the
+codes than on the dense product (and than a held dense copy)."""
+TORCH_INT4_MAX_ROWS = 8
+"""The same for a layer on torch's int4 kernel (no compiled kernels), which keeps its dense copy:
+3-4x dense bf16 at 1 row, about even by 8 rows."""
+HEAD_PACKED_MAX_ROWS = 128
+"""The same for a tied head (int8 activations): at 64 rows 9.0 ms on the codes against 17.9 ms
+for the dense product of SmolLM2's 49,152 x 576 head (2 threads, AMD EPYC Zen 4)."""
 
 
 def default_weight_loader(
@@ -105,13 +116,18 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.packed: nn.Module | None = None
         """Set when the layer also runs on GGUF codes (for inputs of at most PACKED_MAX_ROWS)."""
+        self.dense_above_max_rows = False
+        """True when the layer holds only its codes (weight None) in bf16, and multiplies inputs
+        of more than PACKED_MAX_ROWS rows by its dequantized weights (the dense product)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is None or (self.weight is not None and x.shape[0] > PACKED_MAX_ROWS):
+        if self.packed is None or (self.weight is not None and x.shape[0] > TORCH_INT4_MAX_ROWS):
             y = F.linear(x, self.weight, bias)
+        elif self.dense_above_max_rows and x.shape[0] > PACKED_MAX_ROWS:
+            y = self.packed.dense_product(x, bias)
         else:
             y = self.packed(x)
             y = y if bias is None else y + bias
@@ -124,11 +140,12 @@ class Linear(nn.Module):
         return {None: self.weight.data}
 
     def process_weights_after_loading(self, dtype: torch.dtype, quantize: str | None = None) -> None:
-        """Dequantize quantized shards into the dense weight and, for bf16 when every shard is
-        packable, also pack them for the int4 kernel. In fp32, a layer whose shards all pack keeps
-        only its codes, multiplied exactly (see GroupQuantizedWeight): no dense copy to build or
-        hold. quantize ("int4" / "int8", bf16 only): replace the dense weight by its packed
-        quantization instead."""
+        """Keep the layer's GGUF codes when every shard is packable, else dequantize its shards
+        into the dense weight. On the compiled kernels (GroupQuantizedWeight) the codes alone
+        are kept: fp32 multiplies them exactly for every row count, bf16 by VNNI for few rows and
+        by the dense product above (see the module doc). On torch's int4 kernel the dense bf16
+        weight stays beside them. quantize ("int4" / "int8", bf16 only): replace the dense
+        weight by its packed quantization instead."""
         pending = take_pending_quant(self.weight)
         slices = self._shard_slices()
         for shard_id, weight in pending.items():
@@ -138,11 +155,9 @@ class Linear(nn.Module):
         merged = concat_rows([pending[shard_id] for shard_id in slices]) if packable else None
         if merged is not None:  # None: mixed types, dense only
             self.packed = packed_weight(merged, dtype)  # fp32: None where not vectorized
-            if self.packed is not None and dtype == torch.float32:
-                self.weight = None  # the codes alone, multiplied exactly
-                return
-            if isinstance(self.packed, GroupQuantizedWeight):  # the dense copy in one pass
-                self.packed.dequantize_into(self.weight.data)
+            if isinstance(self.packed, GroupQuantizedWeight):  # the codes alone
+                self.weight = None
+                self.dense_above_max_rows = dtype == torch.bfloat16
                 return
         for shard_id, weight in pending.items():
             slices[shard_id].copy_(weight.dequantize())
@@ -290,9 +305,12 @@ class VocabEmbedding(nn.Module):
     """Token embedding [vocab, hidden]; with `serves_as_head` also the tied output projection.
     Split by vocabulary rows over the TP ranks (see VocabShard).
 
-    Loaded from GGUF codes in bf16, the tied head also multiplies by those codes (this rank's
-    rows) for inputs of at most packed_head_max_rows rows (decode steps), where it is several
-    times faster; on the compiled kernel with int8 activations (HEAD_ACTIVATION_BITS).
+    Loaded from GGUF codes with the compiled kernels (fp32 or bf16), the table is held as those
+    codes alone (`packed_table`): lookups dequantize their rows. The tied head multiplies by the
+    codes (this rank's rows): in fp32 exactly for every row count; in bf16 with int8 activations
+    (HEAD_ACTIVATION_BITS) for inputs of at most packed_head_max_rows rows (decode steps), where
+    it is several times faster, and by the dense product above. Without the compiled kernels the
+    dense table is held, and in bf16 the tied head runs torch's int4 kernel on few rows.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, serves_as_head: bool) -> None:
@@ -305,10 +323,12 @@ class VocabEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.serves_as_head = serves_as_head
         self.packed_head: nn.Module | None = None
+        self.packed_table: GroupQuantizedWeight | None = None
+        """The table on its GGUF codes (weight None then); the tied head's packed_head too."""
         self.dense_head_above_max_rows = True
         """False when the head was quantized on request (--quantization int4/int8)."""
-        self.packed_head_max_rows = PACKED_MAX_ROWS
-        """The compiled kernel's head stays ahead of dense bf16 further: HEAD_PACKED_MAX_ROWS."""
+        self.packed_head_max_rows = TORCH_INT4_MAX_ROWS
+        """On the compiled kernel: HEAD_PACKED_MAX_ROWS."""
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor | GGUFQuantWeight
@@ -318,14 +338,19 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) -> (T, hidden)."""
         if self.tp_group.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         # Ids of other ranks look up row 0 and are then zeroed: each token's row comes from
         # exactly one rank, so the all_reduce adds only zeros to it (exact).
         local_ids = input_ids - self.shard.start
         elsewhere = (local_ids < 0) | (local_ids >= self.shard.rows_per_rank)
-        embeds = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
+        embeds = self._lookup(local_ids.masked_fill(elsewhere, 0))
         embeds.masked_fill_(elsewhere.unsqueeze(-1), 0)
         return self.tp_group.all_reduce(embeds)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed_table is None:
+            return F.embedding(ids, self.weight)
+        return self.packed_table.lookup(ids)
 
     def as_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in the compute dtype, the full vocabulary on every rank."""
@@ -334,15 +359,17 @@ class VocabEmbedding(nn.Module):
             or not self.dense_head_above_max_rows
         ):
             local_logits = self.packed_head(hidden_states)
+        elif self.weight is None:
+            local_logits = self.packed_table.dense_product(hidden_states)
         else:
             local_logits = F.linear(hidden_states, self.weight)
         return self.shard.gather_logits(local_logits, self.tp_group)
 
     def process_weights_after_loading(self, dtype: torch.dtype, quantize: str | None = None) -> None:
-        """Dequantize GGUF codes into the table; for a tied head in bf16 also pack the codes (or,
-        with `quantize`, a fresh int4/int8 quantization used for every row count). In fp32 the
-        tied head runs on the codes for every row count, exactly (see GroupQuantizedWeight); the
-        table stays for the lookups."""
+        """Keep GGUF codes as the table where the compiled kernels serve them (see the class
+        doc), else dequantize them into it; for a tied head in bf16 on torch's int4 kernel also
+        pack the codes. With `quantize`, the tied head is a fresh int4/int8 quantization of the
+        dense table, used for every row count."""
         pending = take_pending_quant(self.weight)
         codes = pending.get(None)
         if codes is not None:
@@ -352,9 +379,14 @@ class VocabEmbedding(nn.Module):
             # fp32: None where not vectorized; bf16: int8 activations (HEAD_ACTIVATION_BITS)
             self.packed_head = packed_weight(codes, dtype, HEAD_ACTIVATION_BITS)
             self.dense_head_above_max_rows = dtype != torch.float32
-        if isinstance(self.packed_head, GroupQuantizedWeight) and dtype == torch.bfloat16:
-            self.packed_head.dequantize_into(self.weight.data)  # the table in one pass
-        elif codes is not None:
+        if codes is not None and quantize is None and dtype in (torch.float32, torch.bfloat16):
+            table = self.packed_head if self.serves_as_head else packed_weight(codes, dtype)
+            if isinstance(table, GroupQuantizedWeight):  # the codes alone
+                self.packed_table, self.weight = table, None
+                if dtype == torch.bfloat16 and self.serves_as_head:
+                    self.packed_head_max_rows = HEAD_PACKED_MAX_ROWS
+                return
+        if codes is not None:
             self.weight.data.copy_(codes.dequantize())
         if dtype == torch.bfloat16 and self.serves_as_head and quantize is not None:
             requantized = quantize_weight(self.weight.data, quantize)

@@ -286,16 +286,34 @@ class GroupQuantizedWeight(torch.nn.Module):
         """activation_bits: 16 or 8, for bf16 (fp32 is always exact)."""
         super().__init__()
         self._ops = ops
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         # Plain attributes, not buffers: model.to(bf16) must not round the fp32 scales. (This
         # form only lives on the CPU, so no device move is missed.)
         self.codes, self.scales, self.mins, self.bits = vnni_layout(weight, ops)
+        self.dtype = dtype
+        """The compute dtype served (lookups return it)."""
         self.activation_bits = EXACT_ACTIVATION_BITS if dtype == torch.float32 else activation_bits
 
     def dequantize_into(self, out: torch.Tensor) -> None:
         """Write the weights as dense rows into out ([N, K] fp32 or bf16, contiguous): the
         values of GGUFQuantWeight.dequantize, rounded once to out's dtype."""
         self._ops.dequantize_codes(self.codes, self.scales, self.mins, self.bits, out)
+
+    def dense_product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, W, bias) with W the dense weights (dequantize_into's values), computed by
+        torch's matmul on panels of them dequantized per call (csrc: dequantize_linear): the
+        dense layer's output, bitwise, for large inputs, with no dense copy held."""
+        leading = x.shape[:-1]
+        y = self._ops.dequantize_linear(x.reshape(-1, x.shape[-1]), self.codes, self.scales,
+                                        self.mins, self.out_features, self.bits, bias)
+        return y.view(*leading, self.out_features)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W (ids of any shape -> (*ids.shape, K)) in the compute dtype: what
+        F.embedding returns from the dense table, read from the codes."""
+        return self._ops.embedding_from_codes(ids, self.codes, self.scales, self.mins,
+                                              self.out_features, self.in_features, self.bits,
+                                              self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) in fp32 or bf16 -> (..., N) in x's dtype."""

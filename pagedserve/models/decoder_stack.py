@@ -7,8 +7,8 @@ Python modules call for such a step, in the same order and dtypes, from C++: sam
 compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/8-bit files) and the
 step has at most FUSED_MAX_TOKENS tokens (a batch of up to 32 decodes); anything else runs the
 modules. Each projection multiplies as Linear does: by its codes up to PACKED_MAX_ROWS rows, and
-above that by the dense bf16 weight the layer keeps beside them (fp32 and quantized-on-load
-layers keep none and use their codes for every row count). It implements the
+above that, in bf16, by torch's matmul on its weights dequantized from the codes (fp32 and
+quantized-on-load layers use their codes for every row count). It implements the
 plain Llama layer (Llama, Qwen2 and Phi-3 build it), not QK-norm (Qwen3), an MoE block
 (Mixtral, Qwen2-MoE) nor any subclassed block: those models always run the modules
 (`implements`). It runs every layer in one call, with no all-reduce between layers and no stage
@@ -53,7 +53,7 @@ def _packed_args(linear: Linear) -> tuple | None:
     if not isinstance(packed, GroupQuantizedWeight):
         return None
     return (packed.codes, packed.scales, packed.mins, linear.bias, packed.out_features,
-            packed.bits, packed.activation_bits, linear.weight,
+            packed.bits, packed.activation_bits, linear.dense_above_max_rows,
             linear_layers.PACKED_MAX_ROWS)  # read when built, as Linear reads it when called
 
 

@@ -31,7 +31,6 @@ from pagedserve.attention.paged import write_kv_index_copy
 from pagedserve.attention.reference import reference_paged_attention
 from pagedserve.kernels import cpu_ops
 from pagedserve.sampling_params import SamplingParams
-from tests.prompts import CHAT_QUESTIONS, chat_prompt
 from tests.cpu import NATIVE_BF16
 
 BLOCK_SIZE = 4
@@ -305,48 +304,47 @@ def test_fused_decoder_stack_reads_quantized_kv_like_the_modules(tiny_model_dir,
 # ---- the real model ---------------------------------------------------------------------------
 
 TEXT = (pathlib.Path(__file__).parent.parent / "data" / "declaration_of_independence.txt").read_text()
-GREEDY_PROMPTS = [chat_prompt(q) for q in CHAT_QUESTIONS]
-NUM_GREEDY_TOKENS = 64
 
 
-def _perplexity(llm, token_ids: list[int]) -> float:
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+def _teacher_forced(llm, token_ids: list[int]) -> tuple[float, list[int]]:
+    """Perplexity of the text, and the model's most likely next token at each position."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     [out] = llm.generate([{"prompt_token_ids": token_ids}], params)
-    logprobs = [out.prompt_logprobs[i][token_ids[i]].logprob for i in range(1, len(token_ids))]
-    return math.exp(-statistics.mean(logprobs))
+    positions = out.prompt_logprobs[1:]
+    logprobs = [position[token].logprob for position, token in zip(positions, token_ids[1:])]
+    top = [next(t for t, logprob in position.items() if logprob.rank == 1)
+           for position in positions]
+    return math.exp(-statistics.mean(logprobs)), top
 
 
 @NATIVE_BF16
 @pytest.mark.slow
 def test_quantized_kv_quality_on_the_real_model(make_llm, tokenizer):
-    """bf16 engine, default settings; prompts prefilled in 256-token chunks, so every chunk after
-    the first attends to KV read back from the (quantized) cache."""
+    """bf16 engine, default settings; the text prefilled in 256-token chunks, so every chunk after
+    the first attends to KV read back from the (quantized) cache. Teacher-forced: perplexity, and
+    how often the most likely next token is bf16 KV's (free-running greedy agreement is a poor
+    bound: one near-tie early in a sequence changes every token after it)."""
     from tests.prompts import PARITY_PROMPTS
 
     # ~2,300 tokens: the declaration, then a long Python source (textwrap)
     token_ids = tokenizer.encode(TEXT + "\n\n" + PARITY_PROMPTS[9])
     assert len(token_ids) > 1500
-    prompt_ids = [tokenizer.encode(p) for p in GREEDY_PROMPTS]
     results = {}
     for kv_dtype in ["auto", "int8", "fp8"]:
         llm = make_llm(dtype="bfloat16", kv_cache_dtype=kv_dtype, max_num_batched_tokens=256,
                        enable_prefix_caching=False)
-        perplexity = _perplexity(llm, token_ids)
-        results[kv_dtype] = perplexity, _greedy(llm, prompt_ids, NUM_GREEDY_TOKENS)
-    base_ppl, base_tokens = results["auto"]
+        results[kv_dtype] = _teacher_forced(llm, token_ids)
+    base_ppl, base_top = results["auto"]
     report, agreement = [f"perplexity over {len(token_ids)} tokens: bf16 KV {base_ppl:.4f}"], {}
     for kv_dtype in ["int8", "fp8"]:
-        ppl, tokens = results[kv_dtype]
-        same = sum(a == b for e, q in zip(base_tokens, tokens) for a, b in zip(e, q))
-        prefix = [next((i for i, (a, b) in enumerate(zip(e, q)) if a != b), len(e))
-                  for e, q in zip(base_tokens, tokens)]
-        agreement[kv_dtype] = same / (NUM_GREEDY_TOKENS * len(prompt_ids))
-        report.append(
-            f"{kv_dtype} {ppl:.4f} ({ppl / base_ppl - 1:+.2%}); greedy tokens equal to bf16 KV's: "
-            f"{agreement[kv_dtype]:.1%} by position, identical prefixes {prefix}"
-        )
+        ppl, top = results[kv_dtype]
+        later = slice(256, None)  # the positions that read the cache
+        agreement[kv_dtype] = statistics.mean(
+            a == b for a, b in zip(base_top[later], top[later]))
+        report.append(f"{kv_dtype} {ppl:.4f} ({ppl / base_ppl - 1:+.2%}); most likely next "
+                      f"token equal to bf16 KV's past the first chunk: {agreement[kv_dtype]:.1%}")
     print("\n" + "; ".join(report))
     assert abs(results["int8"][0] / base_ppl - 1) < 0.01, results
     assert abs(results["fp8"][0] / base_ppl - 1) < 0.05, results
-    assert agreement["int8"] >= 0.5, agreement
-    assert agreement["fp8"] >= 0.25, agreement
+    assert agreement["int8"] >= 0.9, agreement
+    assert agreement["fp8"] >= 0.8, agreement

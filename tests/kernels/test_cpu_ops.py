@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_ops
 from pagedserve.layers import quantized
@@ -128,6 +129,43 @@ def test_loading_kernels_equal_their_references(qtype):
         out = torch.full((n, k), float("nan"), dtype=dtype)
         layer.dequantize_into(out)
         assert torch.equal(out, dense.to(dtype))
+
+
+@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [40, 3640], ids=["one panel", "two panels"])
+def test_dense_product_on_the_codes_is_the_dense_layer(qtype, n):
+    """In bf16, dequantize_linear (weights dequantized per call, a panel of rows at a time)
+    gives F.linear on the dense weights bit for bit, with and without a bias: a bf16 layer keeps
+    no dense copy for large batches. 3,640 rows x 576 is past one panel (2^21 weights). fp32
+    (not served this way: its layers multiply exactly on the codes) is bitwise in one panel; MKL
+    may sum a narrower panel in another order."""
+    k = 576
+    weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k, seed=11), qtype, (n, k))
+    generator = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = GroupQuantizedWeight(weight, ops, dtype)
+        dense = weight.dequantize().to(dtype)
+        bias = torch.randn(n, generator=generator).to(dtype)
+        for rows in (9, 33, 200):
+            x = torch.randn(rows, k, generator=generator).to(dtype)
+            for b in (None, bias):
+                ours, theirs = layer.dense_product(x, b), F.linear(x, dense, b)
+                if dtype == torch.bfloat16 or n == 40:
+                    assert torch.equal(ours, theirs)
+                else:
+                    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q8_0], ids=lambda t: t.name)
+def test_lookup_on_the_codes_is_the_dense_embedding(qtype):
+    n, k = 40, 288
+    weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k, seed=5), qtype, (n, k))
+    ids = torch.tensor([[0, 39, 17], [16, 15, 0]])
+    for dtype in (torch.bfloat16, torch.float32):
+        table = GroupQuantizedWeight(weight, ops, dtype)
+        assert torch.equal(table.lookup(ids), F.embedding(ids, weight.dequantize().to(dtype)))
+    with pytest.raises(RuntimeError, match="embedding id 40 is out of range"):
+        table.lookup(torch.tensor([3, 40]))
 
 
 def test_add_rms_norm_equals_the_module_path():

@@ -32,10 +32,21 @@ def as_tp_rank(monkeypatch):
     return set_rank
 
 
+def _dense_weight(layer) -> torch.Tensor:
+    """The layer's weights, dense: its dense weight, or (a layer on the compiled kernels holds
+    only its codes) those codes dequantized."""
+    if layer.weight is not None:
+        return layer.weight
+    out = torch.empty(layer.packed.out_features, layer.packed.in_features)
+    layer.packed.dequantize_into(out)
+    return out
+
+
 def _assert_packed_matches_dense(layer) -> None:
-    """The packed kernel runs on the shard's shape and agrees with its dense copy."""
-    x = torch.randn(3, layer.weight.shape[1])
-    dense = x @ layer.weight.t()
+    """The packed kernel runs on the shard's shape and agrees with its dense weights."""
+    weight = _dense_weight(layer)
+    x = torch.randn(3, weight.shape[1])
+    dense = x @ weight.t()
     error = (layer.packed(x.bfloat16()).float() - dense).norm() / dense.norm()
     assert error < 1e-2, error  # bf16 activations only
 
@@ -63,7 +74,7 @@ def test_column_split_keeps_codes_packed(as_tp_rank):
         layer.process_weights_after_loading(torch.bfloat16)
         assert layer.packed is not None  # every shard packable: the int4 kernel serves it
         _assert_packed_matches_dense(layer)
-        assert torch.equal(layer.weight, torch.cat(expected))  # the dense copy (fp32 until .to)
+        assert torch.equal(_dense_weight(layer), torch.cat(expected))  # fp32 until .to
 
 
 def test_row_split_on_group_boundaries_keeps_codes_packed(as_tp_rank):
@@ -108,8 +119,11 @@ def test_vocab_split_pads_and_keeps_tied_head_codes(as_tp_rank):
     assert table.packed_head is not None
     logits = table.packed_head(torch.randn(2, hidden).bfloat16()).float()  # this rank's 3 rows
     assert logits.shape == (2, 3) and not logits[:, 1:].any()  # padding rows: zero logits
-    assert torch.equal(table.weight[:1], dense[9:])
-    assert not table.weight[1:].any()
+    # The rank's rows: a dense table, or (on the compiled kernels) looked up on the codes
+    rows = table.weight if table.packed_table is None else table.packed_table.lookup(
+        torch.arange(3))
+    assert torch.equal(rows[:1], dense[9:].to(rows.dtype))
+    assert not rows[1:].any()
 
     as_tp_rank(1, tp)
     dense_table = VocabEmbedding(vocab, hidden, serves_as_head=True)

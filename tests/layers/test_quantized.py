@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_ops
 from pagedserve.layers.linear import PACKED_MAX_ROWS, Linear, MergedLinear
@@ -136,13 +137,17 @@ def test_merged_layer_packs_same_type_shards_and_falls_back_on_mixed():
     four_bit = MergedLinear(k, {"q": 64, "k": 32, "v": 32})
     _loaded_linear(four_bit, {"q": q, "k": kk, "v": kk}, torch.bfloat16)
     assert four_bit.packed is not None
-    # Both forms are kept: few rows go to the int4 kernel, more rows to the dense bf16 matrix.
-    four_bit_dense = torch.cat([q.dequantize(), kk.dequantize(), kk.dequantize()])
-    assert torch.equal(four_bit.weight, four_bit_dense.to(torch.bfloat16))
+    # Few rows go to the packed kernel, more rows to the dense bf16 matrix's product.
+    four_bit_dense = torch.cat([q.dequantize(), kk.dequantize(), kk.dequantize()]).bfloat16()
     few = x[:PACKED_MAX_ROWS]
     many = torch.randn(PACKED_MAX_ROWS + 1, k).to(torch.bfloat16)
     torch.testing.assert_close(four_bit(few), four_bit.packed(few))
-    torch.testing.assert_close(four_bit(many), many @ four_bit.weight.t())
+    if isinstance(four_bit.packed, GroupQuantizedWeight):  # the compiled kernels: codes alone
+        assert four_bit.weight is None and four_bit.dense_above_max_rows
+        assert torch.equal(four_bit(many), F.linear(many, four_bit_dense))  # bitwise
+    else:  # torch's int4 kernel: the dense copy is kept beside the codes
+        assert torch.equal(four_bit.weight, four_bit_dense)
+        torch.testing.assert_close(four_bit(many), many @ four_bit.weight.t())
     packed_many, dense_many = four_bit.packed(many).float(), four_bit(many).float()
     assert (packed_many - dense_many).norm() < 1e-2 * dense_many.norm()  # bf16 rounding only
 
@@ -235,6 +240,6 @@ def test_quantize_on_load_error_is_at_most_half_a_step(scheme, levels):
     layer.weight.data.copy_(weight)
     layer.process_weights_after_loading(torch.bfloat16, scheme)
     assert layer.weight is None and layer.packed is not None
-    x = torch.randn(20, 128).to(torch.bfloat16)  # more rows than PACKED_MAX_ROWS: packed still
+    x = torch.randn(PACKED_MAX_ROWS + 4, 128).to(torch.bfloat16)  # past the limit: packed still
     expected = x.float() @ codes.dequantize().t()
     assert (layer(x).float() - expected).norm() < 2e-2 * expected.norm()

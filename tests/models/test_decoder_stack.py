@@ -3,8 +3,8 @@ packed GGUF).
 
 Both run the same kernels in the same order, so greedy tokens and their logprobs must be equal
 exactly, not merely close: decode steps of one and of several requests, batches past
-PACKED_MAX_ROWS (where bf16 layers multiply by their dense weights, in the stack as in the
-modules; fp32 ones by their codes), and speculative verification steps (several tokens per
+PACKED_MAX_ROWS (where bf16 layers multiply by their weights dequantized from the codes, in the
+stack as in the modules; fp32 ones by their codes), and speculative verification steps (several tokens per
 request).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.kernels import cpu_ops
-from pagedserve.layers.linear import PACKED_MAX_ROWS
+from pagedserve.layers import linear as linear_layers
 from pagedserve.models.decoder_stack import FUSED_MAX_TOKENS
 from pagedserve.sampling_params import SamplingParams
 from tests.prompts import CHAT_QUESTIONS, PARITY_PROMPTS, chat_prompt
@@ -60,12 +60,18 @@ def test_stack_equals_modules(make_llm, monkeypatch, stack_calls, num_prompts):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_stack_equals_modules_past_the_packed_row_limit(make_llm, monkeypatch, stack_calls,
                                                         dtype):
-    """12 decodes at once: past PACKED_MAX_ROWS, so a bf16 layer multiplies by its dense weight
-    (an fp32 one still by its codes), inside the stack as in the modules."""
+    """12 decodes at once, past a PACKED_MAX_ROWS lowered to 8 (the stack serves at most
+    FUSED_MAX_TOKENS tokens, fewer than the default): a bf16 layer multiplies by its weights
+    dequantized from the codes (the dense product; an fp32 one still by its codes exactly),
+    inside the stack as in the modules."""
+    monkeypatch.setattr(linear_layers, "PACKED_MAX_ROWS", 8)  # read as the stack is built
     llm = make_llm(dtype=dtype, enable_prefix_caching=False)
+    # The session's shared model may hold a stack built with the default: build this test's
+    # afresh (and give the earlier one back afterwards).
+    monkeypatch.setattr(llm.engine.executor.worker.model_runner.model.model, "_stack", False)
     prompts = [chat_prompt(q) for q in CHAT_QUESTIONS[:12]]
     fused = _generate(llm, prompts, max_tokens=6)
-    assert max(stack_calls) == len(prompts) > PACKED_MAX_ROWS
+    assert max(stack_calls) == len(prompts) > linear_layers.PACKED_MAX_ROWS
     assert len(prompts) <= FUSED_MAX_TOKENS
     _modules_only(llm, monkeypatch)
     stack_calls.clear()

@@ -1,10 +1,10 @@
 """The real model on its packed GGUF codes (bf16, the packed kernel) against the dense fp32 model.
 
 The default bf16 engine (`--quantization auto`) multiplies by the packed codes for inputs of at
-most PACKED_MAX_ROWS rows and by a dense bf16 copy above; these tests force the packed path for
-every row count (monkeypatching the threshold) so that its numerics are what is measured, and
-also run the default mix. On the CPU the packed path is the compiled VNNI kernel (int16
-activations, exact integer sums), elsewhere torch's int4 kernel.
+most PACKED_MAX_ROWS rows and by the dense product (its weights dequantized per call) above;
+these tests force the packed path for every row count (monkeypatching the threshold) so that its
+numerics are what is measured, and also run the default mix. On the CPU the packed path is the
+compiled VNNI kernel (int16 activations, exact integer sums), elsewhere torch's int4 kernel.
 
 The packed model is not the same computation as fp32 (bf16 activations between layers, quantized
 activations inside the matmul), so tokens may diverge where two candidates are nearly tied; the tests bound how far its logprobs drift from
@@ -18,10 +18,12 @@ import math
 import pathlib
 import statistics
 
+import gguf
 import pytest
 
 import pagedserve.layers.linear as linear_module
 import pagedserve.layers.quantized as quantized
+from pagedserve.observability.memory import model_bytes
 from pagedserve.sampling_params import SamplingParams
 from tests.shared_engines import shared_weights_llm
 from tests.prompts import CHAT_QUESTIONS, PARITY_PROMPTS, chat_prompt
@@ -62,18 +64,24 @@ def _perplexity(llm, token_ids: list[int]) -> float:
     return math.exp(-statistics.mean(logprobs))
 
 
-def test_default_bf16_engine_holds_both_forms(make_llm):
-    llm = make_llm(dtype="bfloat16")  # quantization="auto" is the default
-    model = llm.engine.executor.worker.model_runner.model
-    gate_up = model.model.layers[0].mlp.gate_up_proj
-    assert gate_up.packed is not None and gate_up.weight is not None
-    assert gate_up.packed.activation_bits == quantized.ACTIVATION_BITS == 16
-    head = model.model.embed_tokens.packed_head  # the tied Q8_0 head on its codes
-    assert head is not None and head.activation_bits == quantized.HEAD_ACTIVATION_BITS == 8
-    # fp32 runs on the codes alone, exactly (layers/linear.py): no dense copy
-    fp32_gate_up = make_llm(dtype="float32").engine.executor.worker.model_runner.model.model \
-        .layers[0].mlp.gate_up_proj
-    assert fp32_gate_up.weight is None and fp32_gate_up.packed.activation_bits == 32
+def test_default_engine_holds_its_weights_once(make_llm, model_path):
+    """Every GGUF matrix is held as its codes alone, in bf16 as in fp32: the layers, and the tied
+    Q8_0 embedding that is also the head. The default engine's weights stay within 1.3x the
+    GGUF's tensor bytes (a dense bf16 copy beside the codes made it ~4x)."""
+    for dtype in ("bfloat16", "float32"):
+        model = make_llm(dtype=dtype).engine.executor.worker.model_runner.model
+        gate_up = model.model.layers[0].mlp.gate_up_proj
+        assert gate_up.weight is None and gate_up.dense_above_max_rows == (dtype == "bfloat16")
+        table = model.model.embed_tokens
+        assert table.weight is None and table.packed_table is table.packed_head
+        bits = {"bfloat16": (16, 8), "float32": (32, 32)}[dtype]
+        assert (gate_up.packed.activation_bits, table.packed_head.activation_bits) == bits
+
+    default = make_llm()  # --dtype auto: bf16 where the CPU computes it natively, else fp32
+    parts = model_bytes(default.engine.executor.worker.model_runner.model)
+    gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(model_path).tensors)
+    assert parts["weights_dense"] < 1 << 20  # the norms
+    assert sum(parts.values()) <= 1.3 * gguf_bytes, (parts, gguf_bytes)
 
 
 def test_packed_bf16_tracks_fp32_reference(make_llm, tokenizer, int4_everywhere):
