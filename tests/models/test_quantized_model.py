@@ -25,6 +25,7 @@ import pagedserve.layers.linear as linear_module
 import pagedserve.layers.quantized as quantized
 from pagedserve.observability.memory import model_bytes
 from pagedserve.sampling_params import SamplingParams
+from tests.cpu import BF16_IS_THE_DEFAULT
 from tests.shared_engines import shared_weights_llm
 from tests.prompts import CHAT_QUESTIONS, PARITY_PROMPTS, chat_prompt
 
@@ -84,6 +85,7 @@ def test_default_engine_holds_its_weights_once(make_llm, model_path):
     assert sum(parts.values()) <= 1.3 * gguf_bytes, (parts, gguf_bytes)
 
 
+@BF16_IS_THE_DEFAULT
 def test_packed_bf16_tracks_fp32_reference(make_llm, tokenizer, int4_everywhere):
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     greedy = SamplingParams(
@@ -142,6 +144,7 @@ def fp32_perplexity(model_path, tokenizer, text_ids) -> float:
         llm.engine.shutdown()
 
 
+@BF16_IS_THE_DEFAULT
 def test_perplexity_within_one_percent_of_fp32(make_llm, text_ids, fp32_perplexity, monkeypatch):
     token_ids = text_ids
     reference = fp32_perplexity
@@ -160,6 +163,7 @@ def test_perplexity_within_one_percent_of_fp32(make_llm, text_ids, fp32_perplexi
 ON_LOAD_PERPLEXITY_TOLERANCE = {"int8": 0.03, "int4": 0.07}
 
 
+@BF16_IS_THE_DEFAULT
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantize_on_load_perplexity(make_llm, text_ids, fp32_perplexity, scheme):
     """--quantization int8/int4 quantize every linear weight (here the dequantized GGUF ones)
