@@ -210,10 +210,23 @@ def test_a_worker_that_cannot_start_gives_one_clear_error(llama_dir):
 def test_a_rendezvous_port_in_use_gives_one_clear_error(llama_dir):
     import socket
 
-    with socket.create_server(("127.0.0.1", 0)) as taken:
+    def next_port_free(port: int) -> bool:
+        try:
+            with socket.create_server(("127.0.0.1", port + 1)):
+                return True
+        except OSError:
+            return False
+
+    # A taken port whose next one (the control port) is free, so that only the rendezvous
+    # collides: ports the OS hands out may have a busy neighbour (the suite's other servers),
+    # so ask until one has none.
+    for _ in range(100):
+        taken = socket.create_server(("127.0.0.1", 0))
+        if next_port_free(taken.getsockname()[1]):
+            break
+        taken.close()
+    with taken:
         port = taken.getsockname()[1]
-        with socket.create_server(("127.0.0.1", port + 1)):
-            pass  # the control port (the next one) is free: only the rendezvous collides
         with pytest.raises(ExecutorError, match=r"worker rank 0 failed: ") as failure:
             LLM(model=llama_dir, dtype="float32", tensor_parallel_size=2, master_port=port)
     assert "\n" not in str(failure.value)
