@@ -750,6 +750,7 @@ bool exact_linear_vectorized() {
 // Weights of an [n, k] matrix in the layout above, as quant_linear and dequantize_codes take them.
 void check_layout(const torch::Tensor& codes, const torch::Tensor& scales,
                   const torch::Tensor& mins, int64_t n, int64_t k, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
               "weights must be contiguous");
   TORCH_CHECK((scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kHalf) &&
@@ -768,7 +769,6 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
                            torch::Tensor mins, int64_t n, int64_t bits, int64_t activation_bits,
                            c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2, "x must be (rows, K)");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 32,
               "activation_bits must be 8, 16 or 32 (fp32, exact weights)");
   const int64_t rows = x.size(0), k = x.size(1);
@@ -934,7 +934,6 @@ void with_layout_types(int64_t bits, const torch::Tensor& scales, const torch::T
 // rounds once, to nearest even, as a copy from fp32 does).
 void dequantize_codes(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits,
                       torch::Tensor out) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out: contiguous (N, K)");
   const int64_t n = out.size(0), k = out.size(1);
   check_layout(codes, scales, mins, n, k, bits);
@@ -953,7 +952,6 @@ void dequantize_codes(torch::Tensor codes, torch::Tensor scales, torch::Tensor m
 torch::Tensor embedding_from_codes(torch::Tensor ids, torch::Tensor codes, torch::Tensor scales,
                                    torch::Tensor mins, int64_t n, int64_t k, int64_t bits,
                                    at::ScalarType dtype) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   check_layout(codes, scales, mins, n, k, bits);
   const torch::Tensor flat = ids.reshape(-1).to(torch::kLong).contiguous();
   const int64_t* id = flat.data_ptr<int64_t>();
@@ -992,7 +990,6 @@ torch::Tensor dequantize_linear(torch::Tensor x, torch::Tensor codes, torch::Ten
                                 torch::Tensor mins, int64_t n, int64_t bits,
                                 c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2, "x must be (rows, K)");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   const int64_t k = x.size(1);
   check_layout(codes, scales, mins, n, k, bits);
   const int64_t groups = k / kGroup, group_bytes = (bits == 4 ? 4 : 8) * 64;

@@ -23,9 +23,10 @@ In bf16 a packed layer picks its product per call by the number of rows. The com
 kernel (`GroupQuantizedWeight`) reads a quarter of the bytes, so it wins while the matmul is
 bound by memory (3-4x dense bf16 at 1 row, ahead up to ~128 rows) and falls behind in
 prefill, where dense bf16 runs near the CPU's peak. Above PACKED_MAX_ROWS the layer therefore
-runs torch's dense matmul, on its weights dequantized from the codes per call (`GroupQuantizedWeight.dense_product`):
-bitwise the dense layer's output, for a dequantization that costs a few percent of such a
-matmul, and no dense copy held. Only where the compiled kernels are missing (torch's int4 kernel
+runs torch's dense matmul on its weights dequantized from the codes per call
+(`GroupQuantizedWeight.dense_product`): bitwise the dense layer's output, with no dense copy
+held. The dequantization is the price: on SmolLM2's layers (AMD EPYC Zen 4) level with a held
+dense copy at 2,048 rows, a quarter more time at 256. Only where the compiled kernels are missing (torch's int4 kernel
 serves the codes) does a layer keep its dense bf16 weight beside them, for inputs of more than
 TORCH_INT4_MAX_ROWS rows.
 
@@ -374,27 +375,24 @@ class VocabEmbedding(nn.Module):
         codes = pending.get(None)
         if codes is not None:
             _check_shape(codes, self.weight.shape)
-        head_from_codes = codes is not None and self.serves_as_head and quantize is None
-        if head_from_codes and dtype in (torch.float32, torch.bfloat16):
-            # fp32: None where not vectorized; bf16: int8 activations (HEAD_ACTIVATION_BITS)
-            self.packed_head = packed_weight(codes, dtype, HEAD_ACTIVATION_BITS)
-            self.dense_head_above_max_rows = dtype != torch.float32
         if codes is not None and quantize is None and dtype in (torch.float32, torch.bfloat16):
+            if self.serves_as_head:
+                # fp32: None where not vectorized; bf16: int8 activations (HEAD_ACTIVATION_BITS)
+                self.packed_head = packed_weight(codes, dtype, HEAD_ACTIVATION_BITS)
+                self.dense_head_above_max_rows = dtype != torch.float32
+                if isinstance(self.packed_head, GroupQuantizedWeight):
+                    self.packed_head_max_rows = HEAD_PACKED_MAX_ROWS
             table = self.packed_head if self.serves_as_head else packed_weight(codes, dtype)
             if isinstance(table, GroupQuantizedWeight):  # the codes alone
                 self.packed_table, self.weight = table, None
-                if dtype == torch.bfloat16 and self.serves_as_head:
-                    self.packed_head_max_rows = HEAD_PACKED_MAX_ROWS
                 return
         if codes is not None:
             self.weight.data.copy_(codes.dequantize())
         if dtype == torch.bfloat16 and self.serves_as_head and quantize is not None:
             requantized = quantize_weight(self.weight.data, quantize)
-            if requantized is not None:
+            if requantized is not None:  # serves every row count (dense_head_above_max_rows)
                 self.packed_head = packed_weight(requantized, dtype)
                 self.dense_head_above_max_rows = False
-        if isinstance(self.packed_head, GroupQuantizedWeight) and dtype == torch.bfloat16:
-            self.packed_head_max_rows = HEAD_PACKED_MAX_ROWS
 
 
 class ParallelLMHead(Linear):

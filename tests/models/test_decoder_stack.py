@@ -4,8 +4,8 @@ packed GGUF).
 Both run the same kernels in the same order, so greedy tokens and their logprobs must be equal
 exactly, not merely close: decode steps of one and of several requests, batches past
 PACKED_MAX_ROWS (where bf16 layers multiply by their weights dequantized from the codes, in the
-stack as in the modules; fp32 ones by their codes), and speculative verification steps (several tokens per
-request).
+stack as in the modules; fp32 ones by their codes), and speculative verification steps (several
+tokens per request).
 """
 
 from __future__ import annotations
