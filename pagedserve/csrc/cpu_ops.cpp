@@ -440,18 +440,31 @@ void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
 // sums, each walking its elements group after group (`exact_element`, `exact_part`), then added.
 // No other row or column changes that order, so a row's result is the same bits in any batch.
 //
-// Two column blocks at a time are dequantized, a slice of groups at a time, into a scratch panel
-// ([group][vector][block][16 columns] fp32, vectors in the order the sums walk them) and then
-// multiplied by all the rows, kExactTile at a time: 16 accumulators (4 rows x 2 blocks x 2
-// parts: more spilled to the stack and ran slower, measured), one broadcast activation feeding
-// two FMAs. The activations are first interleaved per tile ([K][rows]), so that every broadcast
-// is one base pointer plus a constant.
+// kExactBlocks column blocks at a time are dequantized, a slice of groups at a time, into a
+// scratch panel ([group][vector][block][16 columns] fp32, vectors in the order the sums walk
+// them, 64-byte aligned) and then multiplied by all the rows, kExactTile at a time: with AVX-512
+// 24 accumulators (4 rows x 3 blocks x 2 parts; 8 rows spilled to the stack and ran slower,
+// measured), one broadcast activation feeding three FMAs. The tile's shape changes which sums a
+// pass computes, never the order within a sum. The activations are first interleaved per tile
+// ([K][rows]), so that every broadcast is one base pointer plus a constant.
+
+// The first 64-byte boundary at or after p (p's buffer holds 16 floats more than it needs): a
+// 64-byte vector load that crosses a cache line costs two.
+inline float* aligned64(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
 
 constexpr int kExactTile = 4;
 constexpr int kExactParts = 2;
 constexpr int kExactVectors = 32;  // weight vectors per group and block: one per element
 constexpr int64_t kExactRowChunk = 32 * kExactTile;  // whole tiles: kRowChunk rows
-constexpr int64_t kExactSliceGroups = 8;  // groups dequantized at a time (see exact_linear_impl)
+#ifdef PAGEDSERVE_AVX512
+constexpr int kExactBlocks = 3;  // 24 accumulators: 7 loads feed 12 FMAs (2 blocks: 6 feed 8)
+constexpr int64_t kExactSliceGroups = 5;  // groups dequantized at a time: a 30 KB panel
+#else
+constexpr int kExactBlocks = 2;  // AVX2's 16 registers hold no more (exact_piece_avx2)
+constexpr int64_t kExactSliceGroups = 8;  // a 32 KB panel
+#endif
 
 // Element (within its group) of the j-th weight vector of a dequantized group.
 template <int kBits>
@@ -630,16 +643,23 @@ inline void exact_tile(const float* panel, int64_t groups, const float* xt, floa
 #endif
 }
 
-template <int kBits, int kBlocks>
+template <int kBits, int kBlocks, int kRows = kExactTile>
 void exact_rows(int rows, const float* panel, int64_t groups, const float* xt, float* sums,
                 bool first) {
-  static_assert(kExactTile == 4, "one case per tile height");
-  switch (rows) {
-    case 4: return exact_tile<kBits, 4, kBlocks>(panel, groups, xt, sums, first);
-    case 3: return exact_tile<kBits, 3, kBlocks>(panel, groups, xt, sums, first);
-    case 2: return exact_tile<kBits, 2, kBlocks>(panel, groups, xt, sums, first);
-    default: return exact_tile<kBits, 1, kBlocks>(panel, groups, xt, sums, first);
+  if constexpr (kRows > 1) {
+    if (rows < kRows) return exact_rows<kBits, kBlocks, kRows - 1>(rows, panel, groups, xt, sums, first);
   }
+  exact_tile<kBits, kRows, kBlocks>(panel, groups, xt, sums, first);
+}
+
+template <int kBits, int kBlocks = kExactBlocks>
+void exact_blocks(int blocks, int rows, const float* panel, int64_t groups, const float* xt,
+                  float* sums, bool first) {
+  if constexpr (kBlocks > 1) {
+    if (blocks < kBlocks)
+      return exact_blocks<kBits, kBlocks - 1>(blocks, rows, panel, groups, xt, sums, first);
+  }
+  exact_rows<kBits, kBlocks>(rows, panel, groups, xt, sums, first);
 }
 
 template <int kBits, typename S, typename T>
@@ -666,14 +686,16 @@ void exact_linear_impl(const float* x, int64_t rows, int64_t k, const uint8_t* c
   }
   for (int64_t chunk = 0; chunk < rows; chunk += kExactRowChunk) {
     const int64_t chunk_end = std::min(rows, chunk + kExactRowChunk);
-    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      // A slice of groups of the two blocks at a time (32 KB: it stays in L1 while every tile
-      // of the chunk passes over it); the partial sums wait in `sums` between slices.
-      static thread_local std::vector<float> panel, sums;
-      panel.resize(kExactSliceGroups * kExactVectors * 2 * 16);
-      sums.resize(kExactRowChunk * 2 * kExactParts * 16);
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t b0 = 2 * pair, num_blocks = std::min<int64_t>(2, blocks - b0);
+    at::parallel_for(0, (blocks + kExactBlocks - 1) / kExactBlocks, 1, [&](int64_t begin, int64_t end) {
+      // A slice of groups of kExactBlocks blocks at a time (it stays in L1 while every tile of
+      // the chunk passes over it); the partial sums wait in `sums` between slices.
+      static thread_local std::vector<float> panel_storage, sums;
+      panel_storage.resize(kExactSliceGroups * kExactVectors * kExactBlocks * 16 + 16);
+      sums.resize(kExactRowChunk * kExactBlocks * kExactParts * 16);
+      float* panel = aligned64(panel_storage.data());
+      for (int64_t set = begin; set < end; ++set) {
+        const int64_t b0 = kExactBlocks * set;
+        const int num_blocks = static_cast<int>(std::min<int64_t>(kExactBlocks, blocks - b0));
         for (int64_t g0 = 0; g0 < groups; g0 += kExactSliceGroups) {
           const int64_t slice = std::min(kExactSliceGroups, groups - g0);
           for (int64_t b = 0; b < num_blocks; ++b) {
@@ -682,24 +704,20 @@ void exact_linear_impl(const float* x, int64_t rows, int64_t k, const uint8_t* c
               const int64_t index = block * groups + g;  // of this group in codes and scales
               dequantize_group<kBits, S>(
                   codes + index * group_code_bytes, scales + index * 16, mins + index * 16,
-                  panel.data() + ((g - g0) * kExactVectors * num_blocks + b) * 16,
+                  panel + ((g - g0) * kExactVectors * num_blocks + b) * 16,
                   num_blocks * 16);
             }
           }
           for (int64_t r = chunk; r < chunk_end; r += kExactTile) {
             const int tile_rows = static_cast<int>(std::min<int64_t>(kExactTile, chunk_end - r));
             const float* xt = tiles + r * k + g0 * kGroup * tile_rows;
-            float* tile_sums = sums.data() + (r - chunk) * 2 * kExactParts * 16;
-            if (num_blocks == 2) {
-              exact_rows<kBits, 2>(tile_rows, panel.data(), slice, xt, tile_sums, g0 == 0);
-            } else {
-              exact_rows<kBits, 1>(tile_rows, panel.data(), slice, xt, tile_sums, g0 == 0);
-            }
+            float* tile_sums = sums.data() + (r - chunk) * num_blocks * kExactParts * 16;
+            exact_blocks<kBits>(num_blocks, tile_rows, panel, slice, xt, tile_sums, g0 == 0);
           }
         }
         for (int64_t r = chunk; r < chunk_end; r += kExactTile) {
           const int64_t tile_rows = std::min<int64_t>(kExactTile, chunk_end - r);
-          const float* tile_sums = sums.data() + (r - chunk) * 2 * kExactParts * 16;
+          const float* tile_sums = sums.data() + (r - chunk) * num_blocks * kExactParts * 16;
           for (int64_t i = 0; i < tile_rows; ++i) {
             for (int64_t b = 0; b < num_blocks; ++b) {
               const float* part = tile_sums + (i * num_blocks + b) * kExactParts * 16;
