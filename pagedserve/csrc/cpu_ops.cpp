@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -1352,8 +1353,8 @@ void attention_scores_codes(const float* q, const C* const* krows, const float* 
 }
 
 // s <- softmax(s) in place.
-inline void softmax_inplace(float* s, int64_t len) {
-  const float mx = *std::max_element(s, s + len);
+// s[p] = exp(s[p] - mx) in place; returns their sum.
+inline float exp_inplace(float* s, int64_t len, float mx) {
   float total = 0.f;
   int64_t p = 0;
 #ifdef PAGEDSERVE_AVX512
@@ -1367,9 +1368,21 @@ inline void softmax_inplace(float* s, int64_t len) {
   total = _mm512_reduce_add_ps(total_v);
 #endif
   for (; p < len; ++p) total += (s[p] = std::exp(s[p] - mx));
-  const float inv = 1.f / total;
-  for (p = 0; p < len; ++p) s[p] *= inv;
+  return total;
 }
+
+inline void softmax_inplace(float* s, int64_t len) {
+  const float inv = 1.f / exp_inplace(s, len, *std::max_element(s, s + len));
+  for (int64_t p = 0; p < len; ++p) s[p] *= inv;
+}
+
+// A sequence longer than kSplitKeys is attended in slices of kSplitKeys keys (the last one
+// shorter), each an independent task, and the slices' partial results (max score, sum of
+// exponentials, unnormalized weighted values) are then merged in order, as flash-decoding does:
+// one long decode keeps every core busy instead of one per KV head. The slices depend only on
+// the sequence's length, never on the batch or the thread count, so a token's result is the same
+// bits in any step; a sequence of at most kSplitKeys keys is one slice, normalized directly.
+constexpr int64_t kSplitKeys = 512;
 
 // C: the cache's element type, T itself or int8 / fp8 codes; then key_scale and value_scale are
 // (Hkv, num_blocks, block_size) fp16, else unused. A quantized key enters the scores as
@@ -1385,64 +1398,108 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
   constexpr bool kQuantized = !std::is_same<T, C>::value;
   const int64_t group = heads / kv_heads;
   const int64_t head_stride = num_cache_blocks * block_size * d;  // one KV head's whole cache
-  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // The tasks: (token, KV head, slice of keys). first_task[t]: token t's first; a split token's
+  // slices each leave, per query head, its max score, sum of exponentials and d weighted values
+  // in `partials` (at its task's place), for the merge below.
+  std::vector<int64_t> first_task(tokens + 1, 0), first_partial(tokens + 1, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slices = seq_lens[t] > kSplitKeys ? (seq_lens[t] + kSplitKeys - 1) / kSplitKeys : 1;
+    first_task[t + 1] = first_task[t] + kv_heads * slices;
+    first_partial[t + 1] = first_partial[t] + (slices > 1 ? kv_heads * slices : 0);
+  }
+  const int64_t partial_size = group * (d + 2);
+  std::vector<float> partials(first_partial[tokens] * partial_size);
+  at::parallel_for(0, first_task[tokens], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(group * d), scores;
     // quantized only: the widened queries, per-key scales
     std::vector<float> q32(kQuantized ? group * d : 0), key_scales, value_scales;
     std::vector<const C*> krows, vrows;
+    int64_t t = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / kv_heads, h = task % kv_heads;
-      const int64_t len = seq_lens[t];
+      while (task >= first_task[t + 1]) ++t;
+      const int64_t slices = (first_task[t + 1] - first_task[t]) / kv_heads;
+      const int64_t h = (task - first_task[t]) / slices, slice = (task - first_task[t]) % slices;
+      const int64_t key_begin = slice * kSplitKeys;
+      const int64_t len = std::min(seq_lens[t], key_begin + kSplitKeys) - key_begin;
       const int64_t* blocks = block_table + block_rows[t] * table_stride;
       const C* kh = key_cache + h * head_stride;
       const C* vh = value_cache + h * head_stride;
+      const int64_t head_slots = h * num_cache_blocks * block_size;
       krows.resize(len);
       vrows.resize(len);
-      for (int64_t b = 0, p = 0; p < len; ++b) {
-        const int64_t first_row = blocks[b] * block_size * d;
-        for (int64_t offset = 0; offset < block_size && p < len; ++offset, ++p) {
-          krows[p] = kh + first_row + offset * d;
-          vrows[p] = vh + first_row + offset * d;
-        }
-      }
-      scores.resize(group * len);
       if constexpr (kQuantized) {
         key_scales.resize(len);
         value_scales.resize(len);
-        const int64_t head_slots = h * num_cache_blocks * block_size;
-        for (int64_t b = 0, p = 0; p < len; ++b) {
-          const int64_t first_slot = head_slots + blocks[b] * block_size;
-          for (int64_t offset = 0; offset < block_size && p < len; ++offset, ++p) {
-            key_scales[p] = static_cast<float>(key_scale[first_slot + offset]) * scale;
-            value_scales[p] = static_cast<float>(value_scale[first_slot + offset]);
-          }
+      }
+      // slot of key key_begin + i: block b's offset, walked without a division per key
+      for (int64_t i = 0, b = key_begin / block_size, offset = key_begin % block_size; i < len;
+           ++i, offset = offset + 1 == block_size ? 0 : offset + 1, b += offset == 0) {
+        const int64_t slot = blocks[b] * block_size + offset;
+        krows[i] = kh + slot * d;
+        vrows[i] = vh + slot * d;
+        if constexpr (kQuantized) {
+          key_scales[i] = static_cast<float>(key_scale[head_slots + slot]) * scale;
+          value_scales[i] = static_cast<float>(value_scale[head_slots + slot]);
         }
       }
+      scores.resize(group * len);
+      float* partial = slices > 1 ? partials.data() +
+          (first_partial[t] + h * slices + slice) * partial_size : nullptr;
       if constexpr (kQuantized) {
-        const T* qt = q + t * q_token_stride + h * group * d;  // the group's G query heads
-        widen_row(qt, q32.data(), group * d);
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * len;
+        widen_row(q + t * q_token_stride + h * group * d, q32.data(), group * d);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        if constexpr (kQuantized) {
           attention_scores_codes(q32.data() + g * d, krows.data(), key_scales.data(), len, d, s);
-          softmax_inplace(s, len);
-          for (int64_t p = 0; p < len; ++p) s[p] *= value_scales[p];
-          weighted_sum(vrows.data(), s, len, d, acc.data() + g * d);
-        }
-      } else {
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * len;
+        } else {
           attention_scores(q + t * q_token_stride + (h * group + g) * d, krows.data(), len, d,
                            scale, s);
+        }
+        if (partial) {  // unnormalized: the merge divides by the slices' total
+          partial[g * (d + 2)] = *std::max_element(s, s + len);
+          partial[g * (d + 2) + 1] = exp_inplace(s, len, partial[g * (d + 2)]);
+        } else {
           softmax_inplace(s, len);
         }
-        for (int64_t g = 0; g < group; ++g) {
-          weighted_sum(vrows.data(), scores.data() + g * len, len, d, acc.data() + g * d);
+        if constexpr (kQuantized) {
+          for (int64_t i = 0; i < len; ++i) s[i] *= value_scales[i];
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        T* o = out + (t * heads + h * group + g) * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = from_float<T>(acc[g * d + i]);
+        float* values = partial ? partial + g * (d + 2) + 2 : acc.data() + g * d;
+        weighted_sum(vrows.data(), scores.data() + g * len, len, d, values);
       }
+      if (!partial) {
+        for (int64_t g = 0; g < group; ++g) {
+          T* o = out + (t * heads + h * group + g) * d;
+          for (int64_t i = 0; i < d; ++i) o[i] = from_float<T>(acc[g * d + i]);
+        }
+      }
+    }
+  });
+  // Merge each split token's slices, in order: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+  if (partials.empty()) return;
+  at::parallel_for(0, tokens * heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(d);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / heads, head = task % heads, h = head / group, g = head % group;
+      const int64_t slices = (first_task[t + 1] - first_task[t]) / kv_heads;
+      if (slices == 1) continue;
+      const float* first = partials.data() + (first_partial[t] + h * slices) * partial_size + g * (d + 2);
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < slices; ++c) top = std::max(top, first[c * partial_size]);
+      std::fill(merged.begin(), merged.end(), 0.f);
+      float total = 0.f;
+      for (int64_t c = 0; c < slices; ++c) {
+        const float* part = first + c * partial_size;
+        const float weight = std::exp(part[0] - top);
+        total += weight * part[1];
+        for (int64_t i = 0; i < d; ++i) merged[i] += weight * part[2 + i];
+      }
+      T* o = out + (t * heads + head) * d;
+      const float inv = 1.f / total;
+      for (int64_t i = 0; i < d; ++i) o[i] = from_float<T>(merged[i] * inv);
     }
   });
 }

@@ -7,6 +7,7 @@ takes decodes and steps of up to KERNEL_MAX_TOKENS tokens) and on the plain-torc
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -21,6 +22,8 @@ from pagedserve.attention.reference import reference_paged_attention
 from pagedserve.kernels import cpu_ops
 
 BLOCK_SIZE = 4
+SPLIT_KEYS = 512
+"""csrc/cpu_ops.cpp kSplitKeys: decodes past it are attended in slices of it."""
 
 
 @pytest.fixture(params=["kernel", "torch"])
@@ -85,6 +88,8 @@ def build_batch(backend, query_lens, context_lens, num_blocks=64, seed=0):
         # longer than PREFILL_QUERY_BLOCK: several query blocks, each with its causal limit
         ([1, 300], [40, 0]),
         ([2 * PREFILL_QUERY_BLOCK + 5], [37]),
+        # past SPLIT_KEYS: the kernel attends in slices and merges them
+        ([1, 1, 1, 1, 2], [SPLIT_KEYS - 1, SPLIT_KEYS, 3 * SPLIT_KEYS + 7, 40, 2 * SPLIT_KEYS]),
     ],
 )
 def test_fast_matches_reference(backend, query_lens, context_lens):
@@ -92,6 +97,24 @@ def test_fast_matches_reference(backend, query_lens, context_lens):
     expected = reference_paged_attention(q, key_cache, value_cache, meta)
     actual = backend.forward(q, (key_cache, value_cache), meta)
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_long_decode_gives_the_same_bits_alone_and_in_a_batch(backend):
+    """The kernel's slices of a long sequence depend on its length alone: the batch, and so the
+    tasks the threads share, change nothing. (The torch path pads every decode to the batch's
+    longest, which may change the last bits: it makes no such promise.)"""
+    if not isinstance(backend, CpuKernelAttentionBackend):
+        pytest.skip("a property of the compiled kernel")
+    query_lens, context_lens = [1, 1, 1, 5], [3 * SPLIT_KEYS + 7, 9, 2 * SPLIT_KEYS, 11]
+    q, key_cache, value_cache, meta = build_batch(backend, query_lens, context_lens)
+    batch = backend.forward(q, (key_cache, value_cache), meta)
+    for i in range(3):
+        alone = dataclasses.replace(
+            meta, num_decodes=1, query_start_loc=[0, 1], context_lens=[meta.context_lens[i]],
+            seq_lens=[meta.seq_lens[i]], slot_mapping=meta.slot_mapping[i:i + 1],
+            block_table=meta.block_table[i:i + 1], decode_seq_lens=meta.decode_seq_lens[i:i + 1],
+            backend_state={})
+        assert torch.equal(backend.forward(q[i:i + 1], (key_cache, value_cache), alone), batch[i:i + 1])
 
 
 def test_write_kv_lands_in_the_slots_the_table_names(backend):
