@@ -2048,41 +2048,54 @@ class DecoderStack {
 
 }  // namespace
 
+// The compute functions release the GIL while they run (their arguments are converted before,
+// their results after): the server's event loop (SSE, JSON, detokenizing) then runs on the other
+// core during a step instead of waiting for its end. None of them touches a Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SOURCE_HASH") = PAGEDSERVE_STRINGIFY(PAGEDSERVE_SOURCE_HASH);
   m.attr("BUILD_ISA") = pagedserve_build_isa();
   m.def("quant_linear", &quant_linear,
-        "x @ W^T: GGUF-form 4/8-bit weights; int16/int8 activations, or fp32 exactly (32)");
+        "x @ W^T: GGUF-form 4/8-bit weights; int16/int8 activations, or fp32 exactly (32)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("exact_linear_vectorized", &exact_linear_vectorized,
         "whether quant_linear's fp32 path (activation_bits 32) is vectorized in this build");
   m.def("pack_codes", &pack_codes, "GGUF codes (N, K), one per byte -> quant_linear's layout");
   m.def("dequantize_codes", &dequantize_codes,
-        "quant_linear's layout -> dense (N, K) rows, written into out");
+        "quant_linear's layout -> dense (N, K) rows, written into out",
+        py::call_guard<py::gil_scoped_release>());
   m.def("embedding_from_codes", &embedding_from_codes,
-        "rows of quant_linear's layout as dense rows (T, K): an embedding lookup on the codes");
+        "rows of quant_linear's layout as dense rows (T, K): an embedding lookup on the codes",
+        py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_linear", &dequantize_linear,
         "x @ W^T (+ bias) by torch's matmul on W dequantized from quant_linear's layout, by panels",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("n"),
-        py::arg("bits"), py::arg("bias") = py::none());
-  m.def("add_rms_norm", &add_rms_norm, "RMSNorm after an optional residual add");
-  m.def("rotary_inplace", &rotary_inplace, "rotary embedding on q and k in place");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+        py::arg("bits"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "RMSNorm after an optional residual add",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rotary_inplace", &rotary_inplace, "rotary embedding on q and k in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "attention reading the paged cache in place",
         py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
         py::arg("block_rows"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
+        py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, "store K/V rows (quantized: codes and scales) at their cache slots",
         py::arg("key_cache"), py::arg("value_cache"), py::arg("k"), py::arg("v"),
         py::arg("slot_mapping"), py::arg("key_scale") = py::none(),
-        py::arg("value_scale") = py::none());
+        py::arg("value_scale") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention, "one request's prefill chunk, flash-style",
         py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_ids"),
         py::arg("context_len"), py::arg("scale"), py::arg("key_scale") = py::none(),
-        py::arg("value_scale") = py::none());
+        py::arg("value_scale") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_supported", &prefill_attention_supported);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                     torch::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
-      .def("forward", &DecoderStack::forward);
+      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
 }
