@@ -102,7 +102,7 @@ BATCHES = [
     ([7], [0]),  # a fresh prompt
     ([1, 1, 13, 4, 4], [12, 3, 0, 21, 8]),  # the mixed batch of a busy step
     ([1, 40], [9, 70]),  # a chunk past the kernel's KERNEL_MAX_TOKENS, with context
-    ([1, 1, 3], [600, 255, 300]),  # decodes and a chunk long enough that the kernel splits them
+    ([1, 1, 3], [600, 255, 300]),  # a decode the kernel splits (601 keys), beside shorter ones
 ]
 
 
