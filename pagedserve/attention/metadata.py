@@ -38,6 +38,12 @@ class AttentionMetadata:
     """Per layer its KVCache (attention/kv_cache.py): (key_cache, value_cache), each (Hkv,
     num_blocks, block_size, D), or quantized codes and their scales. Carried here, not bound to
     the layers, so one loaded model can serve several engines (tests, drafts)."""
+    query_start_loc_tensor: torch.Tensor | None = None
+    """(B+1,) int32 on the device: query_start_loc for kernels that read no host data (the
+    Triton backend, and so steps replayed from a CUDA graph). None: not built (CPU steps)."""
+    seq_lens_tensor: torch.Tensor | None = None
+    """(B,) int32 on the device: seq_lens, likewise. A captured step pads the batch with
+    sequences of no query tokens and seq_len 0 (query_start_loc repeats its last value)."""
     backend_state: dict[str, Any] = field(default_factory=dict)
     """Tensors an attention backend derives from this metadata once per step (in its first
     layer) and reuses in the others, e.g. the decode mask."""
@@ -90,7 +96,17 @@ def build_attention_metadata(
         block_table=torch.tensor(block_table, dtype=torch.int64, device=device),
         decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64, device=device),
         kv_caches=kv_caches,
+        **(_device_offsets(query_start_loc, seq_lens, device)
+           if torch.device(device).type != "cpu" else {}),
     )
+
+
+def _device_offsets(query_start_loc: list[int], seq_lens: list[int],
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """query_start_loc and seq_lens as int32 device tensors, in one host-to-device copy."""
+    both = torch.tensor(query_start_loc + seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+    return {"query_start_loc_tensor": both[: len(query_start_loc)],
+            "seq_lens_tensor": both[len(query_start_loc):]}
 
 
 def build_grouped_attention_metadata(

@@ -131,7 +131,8 @@ def _prefill_attention(
     num_queries, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[0]
     group = num_heads // num_kv_heads
-    q32 = q.float().mul_(scale).view(num_queries, num_kv_heads, group, head_dim)
+    # out of place: for fp32, q.float() is q itself, the caller's tensor
+    q32 = (q.float() * scale).view(num_queries, num_kv_heads, group, head_dim)
     q32 = q32.permute(1, 2, 0, 3)  # (Hkv, G, Tq, D)
     k32 = k.float().transpose(1, 2)  # (Hkv, D, S)
     v32 = v.float()  # (Hkv, S, D)

@@ -43,6 +43,9 @@ class KernelConfig:
     fused_decoder_layers: bool = True
     """Small steps through the compiled DecoderStack (models/decoder_stack.py); needs
     cpu_kernels."""
+    gpu_kernels: bool = True
+    """On cuda, the Triton kernels where they apply (attention); False: torch's ops (the
+    reference the kernels are tested against)."""
 
 
 _building_with: ContextVar[KernelConfig] = ContextVar("kernel_config", default=KernelConfig())

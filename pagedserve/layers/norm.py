@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import cpu_ops
+from pagedserve.kernels import cpu_ops, triton_ops
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +18,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
         self.kernels = kernels
+        self.gpu_kernels = triton_ops.for_new_layer()
+        """The fused Triton kernel on cuda (kernels/triton_ops.py), or None."""
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 whatever the compute dtype, as the HF reference does; torch's fused
@@ -34,6 +36,10 @@ class RMSNorm(nn.Module):
             # one call instead of five ops; the same roundings (csrc/cpu_ops.cpp add_rms_norm)
             normed, residual = ops.add_rms_norm(x, residual, self.weight, self.eps)
             return normed, residual
+        gpu = self.gpu_kernels
+        if (gpu is not None and x.dim() == 2 and gpu.serves(x)
+                and (residual is None or residual.is_contiguous())):
+            return gpu.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self._norm(x), x

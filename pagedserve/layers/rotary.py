@@ -7,7 +7,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_ops
+from pagedserve.kernels import cpu_ops, triton_ops
 
 
 class RotaryEmbedding(nn.Module):
@@ -16,6 +16,8 @@ class RotaryEmbedding(nn.Module):
         """kernels: the compiled CPU kernels (kernels/cpu_ops.py) or None: no in-place rotation."""
         super().__init__()
         self.kernels = kernels
+        self.gpu_kernels = triton_ops.for_new_layer()
+        """The in-place Triton rotation on cuda (kernels/triton_ops.py), or None."""
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         positions = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)  # (P, D/2)
@@ -37,10 +39,15 @@ class RotaryEmbedding(nn.Module):
     def rotate_in_place(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> bool:
         """Rotate the first `heads` heads of each row of qkv (T, width) in place by the compiled
         kernel; False (nothing done) where it does not serve, and forward() is the way."""
+        head_dim = self.cos_cache.shape[-1]
+        gpu = self.gpu_kernels
+        if gpu is not None and gpu.rotary_serves(qkv, head_dim):
+            gpu.rotary_inplace(qkv, heads, head_dim, positions, self.cos_cache,
+                               self.signed_sin_cache)
+            return True
         ops = self.kernels
         if ops is None or not cpu_ops.serves(qkv) or qkv.dim() != 2 or qkv.stride(1) != 1:
             return False
-        head_dim = self.cos_cache.shape[-1]
         ops.rotary_inplace(qkv, heads, head_dim, positions, self.cos_cache, self.signed_sin_cache)
         return True
 

@@ -48,6 +48,7 @@ class GemmaRMSNorm(RMSNorm):
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps, kernels=None)
+        self.gpu_kernels = None  # the Triton kernel computes Llama's form too
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # 1 + weight per call (dim elements): a stored fp32 copy would be cast by model.to(dtype).

@@ -25,7 +25,7 @@ from pagedserve.attention.layer import Attention
 from pagedserve.attention.metadata import get_forward_context, get_lora_step
 from pagedserve.config import ModelConfig
 from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
-from pagedserve.kernels import cpu_ops
+from pagedserve.kernels import cpu_ops, triton_ops
 from pagedserve.models.decoder_stack import (
     FUSED_MAX_TOKENS,
     build_decoder_stack,
@@ -129,6 +129,7 @@ class LlamaMLP(nn.Module):
         expert)."""
         super().__init__()
         self.kernels = kernels
+        self.gpu_kernels = triton_ops.for_new_layer()
         intermediate_size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(
             config.hidden_size, {0: intermediate_size, 1: intermediate_size}, bias=config.mlp_bias,
@@ -140,6 +141,9 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
     def act_fn(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gpu = self.gpu_kernels
+        if gpu is not None and gate_up.dim() == 2 and gpu.serves(gate_up):
+            return gpu.silu_and_mul(gate_up)
         return silu_and_mul(gate_up, self.kernels)
 
 

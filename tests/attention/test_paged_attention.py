@@ -94,8 +94,10 @@ def build_batch(backend, query_lens, context_lens, num_blocks=64, seed=0):
 )
 def test_fast_matches_reference(backend, query_lens, context_lens):
     q, key_cache, value_cache, meta = build_batch(backend, query_lens, context_lens)
-    expected = reference_paged_attention(q, key_cache, value_cache, meta)
+    q_before = q.clone()
     actual = backend.forward(q, (key_cache, value_cache), meta)
+    assert torch.equal(q, q_before), "attention wrote to its query"  # fp32: q.float() is q
+    expected = reference_paged_attention(q, key_cache, value_cache, meta)
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
