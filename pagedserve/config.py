@@ -175,6 +175,11 @@ class SchedulerConfig:
     max_num_batches_in_flight: int = 1
     """Steps scheduled before the oldest one's results are back (one per pipeline stage); each
     takes its share of the unfinished requests."""
+    async_scheduling: bool = False
+    """Schedule (and prepare) step N + 1 while step N runs on the device, and apply N's sampled
+    tokens after N + 1 is launched; a request sampled in N may decode in N + 1 through an
+    output placeholder (core/scheduler.py). Same tokens as without; vLLM's --async-scheduling.
+    Not with pipeline stages (max_num_batches_in_flight > 1)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -195,6 +200,9 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.max_num_batches_in_flight < 1:
             raise ValueError("max_num_batches_in_flight must be >= 1")
+        if self.async_scheduling and self.max_num_batches_in_flight > 1:
+            raise ValueError("async scheduling does not run with pipeline stages "
+                             "(max_num_batches_in_flight > 1)")
 
 
 QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
@@ -224,10 +232,23 @@ class DeviceConfig:
     """Run steps of a few tokens through all decoder layers in one compiled call
     (models/decoder_stack.py) where it applies; needs cpu_kernels. False: the modules, one by one
     (the same kernels, bitwise the same output)."""
+    gpu_kernels: bool = True
+    """cuda: the Triton kernels (attention/triton_backend.py) where they apply; False: torch's
+    ops everywhere (the reference; CUDA graphs then capture nothing, as torch's paged attention
+    reads host data)."""
+    cuda_graph_sizes: tuple[int, ...] = ()
+    """cuda: the padded step sizes, in tokens, whose forward pass is captured as a CUDA graph
+    and replayed (worker/cuda_graph.py); a step runs the smallest size that holds it, eagerly
+    if none does. (): every step eager (vLLM's --enforce-eager). EngineArgs fills the default
+    ladder (`default_cuda_graph_sizes`); ignored on the CPU."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if any(size < 1 for size in self.cuda_graph_sizes) or list(self.cuda_graph_sizes) != sorted(
+                set(self.cuda_graph_sizes)):
+            raise ValueError("cuda_graph_sizes must be distinct positive token counts, ascending; "
+                             f"got {self.cuda_graph_sizes}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
@@ -524,6 +545,19 @@ class EngineConfig:
     the weights (level 2), e.g. to lend the memory to another process (vLLM's name)."""
     profiler: ProfilerConfig | None = None
     """None: start_profile / stop_profile are refused (no profiler_dir given)."""
+
+
+def async_scheduling_conflicts(speculative: SpeculativeConfig | None, parallel: ParallelConfig,
+                               kv_transfer: KVTransferConfig | None) -> list[str]:
+    """What async scheduling does not run with yet (empty: nothing here stops it)."""
+    conflicts = []
+    if speculative is not None:
+        conflicts.append("speculative decoding")  # drafts are proposed from the tokens on the host
+    if parallel.world_size > 1:
+        conflicts.append("tensor or pipeline parallelism")  # the workers' outputs come whole
+    if kv_transfer is not None:
+        conflicts.append("KV tiers (kv_transfer_config)")
+    return conflicts
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,

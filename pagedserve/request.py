@@ -117,7 +117,12 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_steps_in_flight = 0
         """Scheduled steps of this request whose results are not back yet (pipeline stages
-        hold up to one per stage; otherwise 0 whenever the scheduler runs)."""
+        hold up to one per stage, async scheduling one; otherwise 0 whenever the scheduler
+        runs)."""
+        self.num_output_placeholders = 0
+        """Async scheduling: output tokens sampled by steps in flight, not known yet. The
+        scheduler counts them as tokens (a decode of the last one may be scheduled before it
+        is known: the runner fills it in on the device) and as outputs (max_tokens)."""
 
     @property
     def cache_namespace(self) -> tuple:

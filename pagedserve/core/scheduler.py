@@ -15,6 +15,14 @@ more to compute.
 
 Speculative decoding is the same arithmetic: a request's draft tokens (`spec_token_ids`) count as
 tokens to compute, and `update_from_output` moves `num_computed_tokens` back over the rejected ones.
+
+Async scheduling (SchedulerConfig.async_scheduling) schedules step N + 1 before step N's sampled
+tokens are back. A step that samples for a request gives it an output placeholder, which counts as
+a known token, so the next step may decode it (the runner takes its id from step N's result on the
+device); `update_from_output` turns the placeholder into the real token:
+    | prompt | outputs known | placeholders (steps in flight) |
+                                ^ may be scheduled before it is known
+A request whose next step depends on its last token on the host (a grammar) waits for it instead.
 """
 
 from __future__ import annotations
@@ -162,17 +170,24 @@ class Scheduler:
             if not self._lora_fits(request, step_loras):
                 req_index += 1  # its adapter waits for a step with a free slot
                 continue
+            if request.num_output_placeholders and not self._may_decode_placeholder(request):
+                req_index += 1  # async scheduling: it waits for its step in flight
+                continue
             num_new_tokens = self._num_new_tokens(request, token_budget)
             new_blocks = None
             while num_new_tokens > 0:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                # A request with a step in flight is not preempted: its results are on the way.
+                # A request with a step in flight is not preempted, not even by itself: its
+                # results are on the way. A request that finds no victim waits; a step that
+                # schedules nothing makes the engine wait for the steps in flight, so the next
+                # one has every request to choose from (no livelock).
                 candidates = [r for r in self.running
                               if not r.num_steps_in_flight or r is request]
                 victim = max(candidates, key=self._preemption_order)
-                if victim is request and len(candidates) < len(self.running):
+                if victim is request and (len(candidates) < len(self.running)
+                                          or request.num_steps_in_flight):
                     num_new_tokens = 0  # not now: the steps in flight will free or need blocks
                     break
                 victim_index = self.running.index(victim)
@@ -281,10 +296,12 @@ class Scheduler:
 
         # Draft tokens are the tail of what is scheduled; the budget may have cut some off.
         #  | computed | known tokens not computed | drafts scheduled | drafts cut off |
+        # (Output placeholders, with async scheduling, are known tokens here: never drafts.)
         spec_decode_tokens: dict[str, list[int]] = {}
         for req_id, num_tokens in num_scheduled.items():
             request = self.requests[req_id]
-            num_spec = request.num_computed_tokens + num_tokens - request.num_tokens
+            num_spec = (request.num_computed_tokens + num_tokens - request.num_tokens
+                        - request.num_output_placeholders)
             if num_spec > 0:
                 spec_decode_tokens[req_id] = request.spec_token_ids[:num_spec]
 
@@ -317,6 +334,8 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(0, min(num_tokens, num_prompt_left))
             request.num_computed_tokens += num_tokens
             request.num_steps_in_flight += 1
+            if self._samples_with_placeholder(request):
+                request.num_output_placeholders += 1
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(
                 self.requests, self._connector_block_ids, num_scheduled)
@@ -406,13 +425,35 @@ class Scheduler:
         if request.lora_int_id is not None:
             step_loras.add(request.lora_int_id)
 
+    def _samples_with_placeholder(self, request: Request) -> bool:
+        """Async scheduling, after `request` was scheduled: whether this step samples for it
+        (its scheduled tokens reach the end of what it has, placeholders included), so that its
+        output stands as a placeholder until the step's results are back."""
+        return (self.config.async_scheduling and request.pooling_params is None
+                and request.num_computed_tokens
+                >= request.num_tokens + request.num_output_placeholders)
+
+    def _may_decode_placeholder(self, request: Request) -> bool:
+        """Async scheduling: whether a request whose last token is a placeholder (its step is in
+        flight) may decode it now. Not past max_tokens or max_model_len (placeholders count as
+        outputs), and not under a grammar: its state, and so the bitmask of the next step,
+        needs the token itself."""
+        if request.constraint is not None:
+            return False
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        return num_outputs < request.max_tokens and num_tokens < self.config.max_model_len
+
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+        # | computed | known, not computed | placeholders (async) | drafts |
+        num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
+                          - request.num_computed_tokens)
         if self.config.long_prefill_token_threshold:
             num_new_tokens = min(num_new_tokens, self.config.long_prefill_token_threshold)
         return min(num_new_tokens, token_budget)
 
     def _preempt(self, request: Request) -> None:
+        assert not request.num_steps_in_flight, "a request with a step in flight is preempted"
         if self.events.enabled:
             self.events.emit(RequestPreempted(request.request_id, self.step_index,
                                               time.monotonic(), request.num_computed_tokens))
@@ -447,6 +488,10 @@ class Scheduler:
                 continue
             new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
             new_logprobs = runner_output.logprobs.get(req_id)
+            if new_token_ids and self.config.async_scheduling:
+                # The token a placeholder stood for (one: async scheduling runs no drafts).
+                assert request.num_output_placeholders > 0, f"{req_id}: no placeholder"
+                request.num_output_placeholders -= 1
             scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if scheduled_spec:
                 # KV was computed for every draft; the slots of rejected ones are overwritten
@@ -617,6 +662,8 @@ class Scheduler:
                 raise RuntimeError(f"{request.request_id} is waiting with status {request.status}")
             if request.request_id in self.kv_cache_manager.req_to_blocks:
                 raise RuntimeError(f"waiting request {request.request_id} holds blocks")
+            if request.num_steps_in_flight or request.num_output_placeholders:
+                raise RuntimeError(f"waiting request {request.request_id} has a step in flight")
         if self._unknown_to_runner - {r.request_id for r in self.running}:
             raise RuntimeError("a request loaded from a tier is not running")
         for req_id, request in self._loading.items():
@@ -627,11 +674,23 @@ class Scheduler:
         for request in self.running:
             if request.status != RequestStatus.RUNNING:
                 raise RuntimeError(f"{request.request_id} is running with status {request.status}")
-            if request.num_computed_tokens > request.num_tokens_with_spec:
+            num_placeholders = request.num_output_placeholders
+            if request.num_computed_tokens > request.num_tokens_with_spec + num_placeholders:
                 raise RuntimeError(
                     f"{request.request_id} computed {request.num_computed_tokens} tokens of "
-                    f"{request.num_tokens} + {len(request.spec_token_ids)} drafts"
+                    f"{request.num_tokens} + {len(request.spec_token_ids)} drafts + "
+                    f"{num_placeholders} placeholders"
                 )
+            if num_placeholders:  # each one is a sampling step in flight, within the limits
+                if (num_placeholders > request.num_steps_in_flight
+                        or not self.config.async_scheduling or request.spec_token_ids
+                        or request.num_output_tokens + num_placeholders > request.max_tokens
+                        or request.num_tokens + num_placeholders > self.config.max_model_len):
+                    raise RuntimeError(
+                        f"{request.request_id} has {num_placeholders} output placeholders, "
+                        f"{request.num_steps_in_flight} steps in flight, "
+                        f"{request.num_output_tokens} of {request.max_tokens} outputs and "
+                        f"{request.num_tokens} tokens")
             # (A pooling request's prompt may fill the context: it generates nothing.)
             if (request.num_tokens_with_spec >= self.config.max_model_len
                     and request.pooling_params is None):

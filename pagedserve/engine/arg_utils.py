@@ -25,6 +25,7 @@ from pagedserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputConfig,
+    async_scheduling_conflicts,
     parse_size,
 )
 from pagedserve.kernels import extension_build
@@ -60,6 +61,22 @@ def resolve_dtype(dtype: str, device: str, cpu_flags: set[str] | None = None) ->
         return "bfloat16"
     flags = extension_build.cpu_flags() if cpu_flags is None else cpu_flags
     return "bfloat16" if flags & NATIVE_BF16_CPU_FLAGS else "float32"
+
+
+MAX_CUDA_GRAPH_SIZE = 512
+"""The largest step captured by default (vLLM's default too): beyond it a step's kernels run
+long enough that launching them one by one costs little."""
+
+
+def default_cuda_graph_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, ...]:
+    """1, 2, 4, then every 8 up to the largest step worth a graph: twice max_num_seqs (decodes
+    plus a small prefill chunk), within the token budget and MAX_CUDA_GRAPH_SIZE."""
+    largest = min(2 * max_num_seqs, max_num_batched_tokens, MAX_CUDA_GRAPH_SIZE)
+    sizes = [size for size in (1, 2, 4) if size <= largest]
+    sizes += range(8, largest + 1, 8)
+    if sizes[-1] != largest:
+        sizes.append(largest)
+    return tuple(sizes)
 
 
 def human_readable_int(value: str) -> int:
@@ -154,6 +171,11 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool | None = None
+    """Schedule step N + 1 while step N runs on the device (vLLM's flag). None (auto): on for
+    cuda, off on the CPU (whose steps compute synchronously: nothing to overlap) and where it
+    does not run yet (speculative decoding, -tp/-pp > 1, KV tiers), which an explicit
+    --async-scheduling refuses."""
     num_gpu_blocks_override: int | None = None
     """Fix the number of KV blocks instead of sizing the pool from memory."""
     kv_cache_dtype: str = "auto"
@@ -202,6 +224,14 @@ class EngineArgs:
         default_factory=lambda: _env_switch("PAGEDSERVE_FUSED_LAYERS"))
     """Steps of a few tokens through all decoder layers in one compiled call; --no-...: the
     modules one by one. Default: on unless PAGEDSERVE_FUSED_LAYERS=0."""
+    gpu_kernels: bool = True
+    """cuda: the Triton kernels where they apply; --no-gpu-kernels: torch's ops (the reference;
+    no CUDA graphs then)."""
+    enforce_eager: bool = False
+    """cuda: capture no CUDA graphs, run every step eagerly (vLLM's flag; the CPU has none)."""
+    cuda_graph_sizes: list[int] | None = None
+    """cuda: the step sizes (tokens) captured as CUDA graphs; default 1, 2, 4, then every 8 up
+    to min(2 * max_num_seqs, max_num_batched_tokens, 512) (`default_cuda_graph_sizes`)."""
 
     enable_lora: bool = False
     """Serve LoRA adapters (LoRARequest offline, --lora-modules and `model` on the server)."""
@@ -250,6 +280,10 @@ class EngineArgs:
         max_num_batched_tokens = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        speculative = _resolve_speculative_config(
+            parse_speculative_config(self.speculative_config), model_config)
+        parallel = self.create_parallel_config()
+        kv_transfer = parse_kv_transfer_config(self.kv_transfer_config)
         return EngineConfig(
             model_path=model_path,
             model=model_config,
@@ -273,6 +307,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 max_num_batches_in_flight=self.pipeline_parallel_size,
+                async_scheduling=self._async_scheduling(speculative, parallel, kv_transfer),
             ),
             device=DeviceConfig(
                 device=self.device, dtype=resolve_dtype(self.dtype, self.device),
@@ -280,20 +315,37 @@ class EngineArgs:
                 quantization=QUANTIZATION_ALIASES.get(self.quantization, self.quantization),
                 cpu_kernels=self.cpu_kernels,
                 fused_decoder_layers=self.fused_decoder_layers,
+                gpu_kernels=self.gpu_kernels,
+                cuda_graph_sizes=self._cuda_graph_sizes(max_num_batched_tokens),
             ),
-            speculative=_resolve_speculative_config(
-                parse_speculative_config(self.speculative_config), model_config
-            ),
+            speculative=speculative,
             structured_output=StructuredOutputConfig(
                 max_cached_grammars=self.max_cached_grammars,
                 compile_timeout_s=self.grammar_compile_timeout,
             ),
-            parallel=self.create_parallel_config(),
-            kv_transfer=parse_kv_transfer_config(self.kv_transfer_config),
+            parallel=parallel,
+            kv_transfer=kv_transfer,
             lora=self.create_lora_config(),
             enable_sleep_mode=self.enable_sleep_mode,
             profiler=self.create_profiler_config(),
         )
+
+    def _cuda_graph_sizes(self, max_num_batched_tokens: int) -> tuple[int, ...]:
+        if self.enforce_eager or not self.gpu_kernels or not self.device.startswith("cuda"):
+            return ()
+        if self.cuda_graph_sizes is None:
+            return default_cuda_graph_sizes(self.max_num_seqs, max_num_batched_tokens)
+        return tuple(sorted(set(self.cuda_graph_sizes)))
+
+    def _async_scheduling(self, speculative: SpeculativeConfig | None, parallel: ParallelConfig,
+                          kv_transfer: KVTransferConfig | None) -> bool:
+        conflicts = async_scheduling_conflicts(speculative, parallel, kv_transfer)
+        if self.async_scheduling is None:  # auto
+            return self.device.startswith("cuda") and not conflicts
+        if self.async_scheduling and conflicts:
+            raise ValueError(f"--async-scheduling does not run with {' or '.join(conflicts)} "
+                             "yet: leave it off (auto turns it off there)")
+        return self.async_scheduling
 
     def _gpu_memory_utilization(self) -> float | None:
         """The fraction that sizes the pool: only on cuda, and only without an explicit size."""
@@ -334,9 +386,17 @@ class EngineArgs:
                 default = (f.default if f.default_factory is dataclasses.MISSING
                            else f.default_factory())  # the env-backed switches
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            elif f.name == "async_scheduling":
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                    help="schedule step N + 1 while step N runs (default: on "
+                                         "for cuda, off on the CPU)")
             elif f.name == "max_model_len":
                 parser.add_argument(flag, type=human_readable_int, default=f.default,
                                     help="tokens, e.g. 4096, 32k, 32K (default: the model's)")
+            elif f.name == "cuda_graph_sizes":
+                parser.add_argument(flag, type=int, nargs="+", default=None,
+                                    help="cuda: step sizes (tokens) captured as CUDA graphs "
+                                         "(default 1 2 4 8 16 ... up to 512)")
             elif f.name in ("num_gpu_blocks_override", "num_threads", "max_cpu_loras"):
                 parser.add_argument(flag, type=int, default=f.default)
             elif f.name == "gpu_memory_utilization":

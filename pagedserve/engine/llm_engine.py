@@ -1,7 +1,9 @@
 """The engine: admission (validate, tokenize, fan out n), and the step loop.
 
 step() = schedule -> execute -> update -> detokenize. One request with n > 1 becomes n scheduler
-requests that share the prompt's KV blocks through the prefix cache.
+requests that share the prompt's KV blocks through the prefix cache. With pipeline stages or async
+scheduling, steps overlap: step N + 1 is scheduled and launched before step N's results are
+applied (_step_with_batch_queue).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from pagedserve.attention.kv_cache import KVCacheSpec
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, async_scheduling_conflicts
 from pagedserve.core.kv_cache_groups import KVCacheLayout
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
@@ -115,6 +117,12 @@ class LLMEngine:
             if config.parallel.world_size > 1:
                 raise ValueError("KV tiers (kv_transfer_config) do not run with tensor or "
                                  "pipeline parallelism yet")
+        if config.scheduler.async_scheduling:
+            conflicts = async_scheduling_conflicts(config.speculative, config.parallel,
+                                                   config.kv_transfer)
+            if conflicts:
+                raise ValueError(f"async scheduling does not run with {' or '.join(conflicts)} "
+                                 "yet")
         # Parsed before the weights load, so a bad config fails fast.
         tier_options = (parse_tiers(config.kv_transfer, config.device.device)
                         if config.kv_transfer is not None else None)
@@ -142,9 +150,14 @@ class LLMEngine:
         """Request id -> the LoRA adapter it holds until it finishes."""
         self._batch_queue: collections.deque[tuple[SchedulerOutput, Future, float, float]] = (
             collections.deque())
-        """Steps in flight, oldest first (more than one only with pipeline stages), each with
-        when its scheduling began and how long it took."""
-        if self.executor.max_concurrent_batches > 1:
+        """Steps in flight, oldest first, each with when its scheduling began and how long it
+        took (more than one only with pipeline stages or async scheduling)."""
+        self.max_steps_in_flight = self.executor.max_concurrent_batches
+        """One per pipeline stage; two with async scheduling (step N + 1 is launched before N's
+        results are applied); one otherwise."""
+        if config.scheduler.async_scheduling:
+            self.max_steps_in_flight = 2
+        if self.max_steps_in_flight > 1:
             self.step = self._step_with_batch_queue
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
@@ -157,7 +170,10 @@ class LLMEngine:
         still loading."""
         self._request_counter = itertools.count()
         self.max_batches_in_flight = 0
-        """Most steps seen in flight at once (more than one only with pipeline stages)."""
+        """Most steps seen in flight at once (more than one only with pipeline stages or async
+        scheduling)."""
+        self.num_overlapped_steps = 0
+        """Steps (not empty) scheduled while an earlier step's results were not applied yet."""
         self._sleep_level = 0
         self._profiling = False
         """Between start_profile and stop_profile: steps carry named ranges in the trace."""
@@ -471,22 +487,32 @@ class LLMEngine:
         return outputs
 
     def _step_with_batch_queue(self) -> list[EngineOutput]:
-        """step() with pipeline stages: keep up to one batch per stage in flight, so stage 0
-        computes batch i + 1 while stage 1 computes batch i. A request is in one batch at a time
-        (its next token is not known before), so the running requests are spread over the
-        batches; a prompt's chunks may follow each other down the pipeline."""
+        """step() with steps in flight: schedule and launch step N + 1, then wait for step N and
+        apply its results.
+
+        Pipeline stages keep up to one batch per stage in flight, so stage 0 computes batch
+        i + 1 while stage 1 computes batch i. A request is in one batch at a time (its next
+        token is not known before), so the running requests are spread over the batches; a
+        prompt's chunks may follow each other down the pipeline.
+        Async scheduling keeps two: the device computes step N while the host schedules and
+        prepares N + 1, in which a request that samples in N decodes that token, still a
+        placeholder (core/scheduler.py; the runner fills it in on the device)."""
         failed_outputs = self._admit_ready()
         queue = self._batch_queue
-        if len(queue) < self.executor.max_concurrent_batches:
+        if len(queue) < self.max_steps_in_flight:
             start = time.monotonic()
             with step_range("pagedserve::schedule", self._profiling):
                 scheduler_output = self._schedule()
             schedule_s = time.monotonic() - start
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids or not queue:
+                if queue and not scheduler_output.is_empty:
+                    self.num_overlapped_steps += 1
                 queue.append((scheduler_output, self.executor.submit(scheduler_output),
                               start, schedule_s))
                 self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
-            if not scheduler_output.is_empty and len(queue) < self.executor.max_concurrent_batches:
+            # An empty step launches nothing: wait for the oldest (its results may unblock the
+            # requests, e.g. one that waits for blocks only the steps in flight can free).
+            if not scheduler_output.is_empty and len(queue) < self.max_steps_in_flight:
                 self.events.publish()
                 return failed_outputs  # fill the pipeline before waiting on its oldest batch
         scheduler_output, future, start, schedule_s = queue.popleft()
@@ -778,6 +804,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the workers (their processes, with more than one rank); safe to call twice."""
+        if self.config.scheduler.async_scheduling:
+            # Wait for the steps still in flight (one process: their futures resolve here), so
+            # none of their kernels or copies runs while the worker lets go of the device.
+            while self._batch_queue:
+                _, future, _, _ = self._batch_queue.popleft()
+                future.exception()
         if self.lora_registry is not None:
             self.lora_registry.shutdown()
         self.executor.shutdown()

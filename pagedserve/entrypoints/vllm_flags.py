@@ -65,14 +65,17 @@ VLLM_SERVE_FLAGS: tuple[VLLMFlag, ...] = (
              "are refused", ("int8",), short="-q"),
     VLLMFlag("--trust-remote-code", _I, "pagedserve never runs code shipped with a model; its "
              "architectures are built in"),
-    VLLMFlag("--enforce-eager", _I, "the CPU path captures no CUDA graphs and does not "
-             "torch.compile"),
+    VLLMFlag("--enforce-eager", _S, "cuda: no CUDA graphs, every step eager (the CPU "
+             "captures none)"),
+    VLLMFlag("--cuda-graph-sizes", _S, "cuda: the step sizes (tokens) captured; default 1 2 4 "
+             "8 16 ... up to min(2 x max-num-seqs, 512)", ("1", "2", "4", "8")),
     VLLMFlag("--max-logprobs", _M, "a request asking for more (logprobs, top_logprobs) gets a "
              "400; at most 20 (the engine's cap), default 20", ("5",)),
     VLLMFlag("--enable-sleep-mode", _S, "POST /sleep, /wake_up, GET /is_sleeping"),
     VLLMFlag("--device", _S, "cpu, or cuda", ("cpu",)),
     VLLMFlag("--disable-cascade-attn", _I, "pagedserve has no cascade attention"),
-    VLLMFlag("--max-seq-len-to-capture", _I, "no CUDA graphs are captured", ("8192",)),
+    VLLMFlag("--max-seq-len-to-capture", _I, "CUDA graphs serve every sequence length "
+             "(attention reads the paged cache in place)", ("8192",)),
     VLLMFlag("--task", _U, "pagedserve serves generation models only"),
     VLLMFlag("--runner", _U, "pagedserve serves generation models only"),
     VLLMFlag("--tokenizer-mode", _U, "one tokenizer implementation (HF tokenizers)"),
@@ -137,7 +140,9 @@ VLLM_SERVE_FLAGS: tuple[VLLMFlag, ...] = (
              "priorities: first come, first served)", ("priority",)),
     VLLMFlag("--max-num-partial-prefills", _U, ""),
     VLLMFlag("--max-long-partial-prefills", _U, ""),
-    VLLMFlag("--async-scheduling", _U, ""),
+    VLLMFlag("--async-scheduling", _S, "schedules step N + 1 while step N runs on the device, "
+             "the same tokens; default on for cuda, off on the CPU (no overlap there); refused "
+             "with speculative decoding, tensor or pipeline parallelism, or KV tiers"),
     VLLMFlag("--scheduler-cls", _U, "loading code by name is not supported"),
     VLLMFlag("--speculative-config", _S, "ngram and draft_model methods (JSON)",
              ('{"method": "ngram", "num_speculative_tokens": 2}',)),

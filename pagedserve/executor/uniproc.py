@@ -1,4 +1,8 @@
-"""One worker in the engine's own process: no serialization, no process groups."""
+"""One worker in the engine's own process: no serialization, no process groups.
+
+With async scheduling a step's future is resolved on demand: the worker returns once the step is
+launched, and result() waits for its sampled tokens to reach the host.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,31 @@ from concurrent.futures import Future
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.executor.abstract import Executor
+from pagedserve.worker.async_output import AsyncModelRunnerOutput
 from pagedserve.worker.worker import Worker
+
+
+class _LaunchedStep(Future):
+    """A launched step (async scheduling): the first result() reads its output back."""
+
+    def __init__(self, output: AsyncModelRunnerOutput) -> None:
+        super().__init__()
+        self._launched = output
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        self._read_back()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._read_back()
+        return super().exception(timeout)
+
+    def _read_back(self) -> None:
+        if not self.done():
+            try:
+                self.set_result(self._launched.get_output())
+            except Exception as error:  # noqa: BLE001 - the caller sees it, as from any future
+                self.set_exception(error)
 
 
 class UniProcExecutor(Executor):
@@ -23,12 +51,18 @@ class UniProcExecutor(Executor):
         self.worker.initialize_kv_cache(num_blocks)
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        output = self.worker.execute_model(scheduler_output)
+        if isinstance(output, AsyncModelRunnerOutput):
+            return _LaunchedStep(output)
         future: Future[ModelRunnerOutput] = Future()
-        future.set_result(self.execute_model(scheduler_output))
+        future.set_result(output)
         return future
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+        output = self.worker.execute_model(scheduler_output)
+        if isinstance(output, AsyncModelRunnerOutput):  # a step outside the loop: wait for it
+            return output.get_output()
+        return output
 
     def time_prefill(self, num_tokens: int, context_len: int) -> float:
         return self.worker.time_prefill(num_tokens, context_len)

@@ -31,6 +31,11 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], bitmask: torch.T
     if not rows:
         return
     assert len(rows) == bitmask.shape[0], f"{len(rows)} rows but {bitmask.shape[0]} masks"
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
+    # From pinned memory without blocking on a GPU: a pageable copy waits for the stream.
+    pin_memory = logits.device.type == "cuda"
+    index = torch.tensor(rows, dtype=torch.int64, pin_memory=pin_memory).to(
+        logits.device, non_blocking=True)
+    if pin_memory and bitmask.device.type == "cpu":
+        bitmask = bitmask.pin_memory()
+    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
     logits[index] = logits[index].masked_fill(~allowed, _NEG_INF)

@@ -140,6 +140,16 @@ class SamplingMetadata:
         )
 
 
+def reads_output_token_values(params: SamplingParams) -> bool:
+    """Whether sampling a row reads the values of its output tokens so far, not only how many
+    there are (min_tokens): the penalties, and bad words of more than one token (whose last
+    token is banned after the others). Async scheduling waits for a step's tokens on the host
+    before it samples such a row in the next step."""
+    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+            or any(len(sequence) > 1 for sequence in params.bad_words_token_ids or ()))
+
+
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor
@@ -207,11 +217,11 @@ def _banned_token_mask(params_list: Sequence[SamplingParams], output_token_ids: 
         mask[_to_device(restricted_rows, torch.int64, device)] = True
         index = (_to_device(allowed_rows, torch.int64, device),
                  _to_device(allowed_ids, torch.int64, device))
-        mask.index_put_(index, torch.tensor(False, device=device))
+        mask.index_put_(index, torch.full((), False, device=device))
     if banned_rows:
         index = (_to_device(banned_rows, torch.int64, device),
                  _to_device(banned_ids, torch.int64, device))
-        mask.index_put_(index, torch.tensor(True, device=device))
+        mask.index_put_(index, torch.full((), True, device=device))
     return mask
 
 
@@ -263,7 +273,7 @@ def _apply_min_tokens_(logits: torch.Tensor, stop_ids_per_row: list[set[int] | N
             token_ids.extend(stop_ids)
     index = (_to_device(rows, torch.int64, logits.device),
              _to_device(token_ids, torch.int64, logits.device))
-    logits.index_put_(index, torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device))
+    logits.index_put_(index, torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
 
 
 def apply_penalties(
@@ -447,5 +457,7 @@ def _pad_token_ids(token_ids: list[list[int]], pad_id: int, device: torch.device
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # Built on the host (pinned for a GPU) and copied without blocking: no sync in the step.
+    # (Scalars are made on the device with torch.full: torch.tensor(x, device=...) copies
+    # from pageable memory, which waits for the stream.)
     pin_memory = device.type == "cuda"
     return torch.tensor(values, dtype=dtype, pin_memory=pin_memory).to(device, non_blocking=True)

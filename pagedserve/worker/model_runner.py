@@ -7,6 +7,7 @@ and the sampler; it knows nothing about queues, priorities or text.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,7 +18,13 @@ from pagedserve.attention import forward_context
 from pagedserve.attention.layer import Attention
 from pagedserve.attention.kv_cache import KVCache, KVCacheSpec
 from pagedserve.attention.metadata import build_grouped_attention_metadata
-from pagedserve.config import CacheConfig, DeviceConfig, ModelConfig, SpeculativeConfig
+from pagedserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pagedserve.core.outputs import (
     GrammarOutput,
     ModelRunnerOutput,
@@ -25,7 +32,7 @@ from pagedserve.core.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pagedserve.distributed import get_pp_group
+from pagedserve.distributed import get_pp_group, get_tp_group
 from pagedserve.kv_transfer.base import KVConnectorWorker
 from pagedserve.lora.worker_manager import WorkerLoRAManager
 from pagedserve.observability.memory import model_bytes, resident_bytes, tensors_bytes
@@ -35,7 +42,12 @@ from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedserve.sampling_params import SamplingParams, SamplingType
 from pagedserve.spec_decode import TargetInfo, create_proposer
 from pagedserve.spec_decode.draft_model import DraftModelProposer
+from pagedserve.worker.async_output import AsyncModelRunnerOutput, AsyncSampling, record_sampled
+from pagedserve.worker.cuda_graph import CudaGraphRunner
 from pagedserve.worker.pooler import PoolingState, pool_chunk
+from pagedserve.worker.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
 
 INTERMEDIATE_TENSOR_NAMES = ("hidden_states", "residual")
 """What a pipeline stage hands the next one (see models/llama.py)."""
@@ -61,6 +73,9 @@ class CachedRequestState:
     lora_int_id: int | None = None
     pooling: PoolingState | None = None
     """A pooling request's vector so far (it samples nothing)."""
+    num_placeholders: int = 0
+    """Async scheduling: the last tokens of token_ids and output_token_ids that are sampled on
+    the device but not read back yet (PLACEHOLDER_TOKEN_ID; worker/async_output.py)."""
 
 
 class ModelRunner:
@@ -72,10 +87,13 @@ class ModelRunner:
         device_config: DeviceConfig,
         device: torch.device,
         speculative_config: SpeculativeConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
     ) -> None:
         """model: loaded, possibly shared with other engines (it holds no per-engine state) and
         possibly one rank's shard. speculative_config: propose draft tokens after each step
-        (None: no speculation). The KV cache comes later: initialize_kv_cache."""
+        (None: no speculation). scheduler_config: the largest step (sizes the input buffers on
+        an accelerator; default: SchedulerConfig's defaults). The KV cache comes later:
+        initialize_kv_cache."""
         self.model = model
         self.model_config = model_config
         self.device_config = device_config
@@ -116,13 +134,39 @@ class ModelRunner:
         """The worker half of the KV tiers (kv_transfer/); the worker sets it."""
         self.lora_manager: WorkerLoRAManager | None = None
         """The LoRA adapters' slots (lora/worker_manager.py); the worker sets it."""
+        scheduler_config = scheduler_config or SchedulerConfig()
+        self.step_inputs: StepInputs | None = None
+        """Device buffers for a step's integer inputs, filled by non-blocking copies from pinned
+        memory (on an accelerator; the CPU builds them per step)."""
+        if device.type != "cpu":
+            self.step_inputs = StepInputs(
+                scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
+                -(-scheduler_config.max_model_len // self.block_size), self.num_kv_cache_groups,
+                self.block_size, device)
+        self.cuda_graphs: CudaGraphRunner | None = None
+        """The captured CUDA graphs (worker/cuda_graph.py): cuda on one rank, with sizes
+        configured (DeviceConfig.cuda_graph_sizes); None: every step eager."""
+        if (device.type == "cuda" and device_config.cuda_graph_sizes
+                and get_pp_group().world_size == 1 and get_tp_group().world_size == 1):
+            sizes = tuple(size for size in device_config.cuda_graph_sizes
+                          if size <= min(scheduler_config.max_num_batched_tokens,
+                                         scheduler_config.max_num_seqs * 2))
+            if sizes:
+                self.cuda_graphs = CudaGraphRunner(sizes, self.step_inputs)
+        self.async_sampling: AsyncSampling | None = None
+        """Async scheduling: execute_model returns before the sampled tokens are on the host
+        (worker/async_output.py); None: it returns them."""
+        if scheduler_config.async_scheduling:
+            assert speculative_config is None, "async scheduling runs no drafts"
+            self.async_sampling = AsyncSampling(device)
 
     @property
     def kv_cache_bytes_per_block(self) -> int:
         return self.kv_cache_spec.bytes_per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate this rank's share of the paged KV cache (and the draft's, if any)."""
+        """Allocate this rank's share of the paged KV cache (and the draft's, if any); then the
+        CUDA graphs can be captured (capture_cuda_graphs)."""
         self.num_kv_blocks = num_blocks
         self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device)
         if self.speculative_config is not None:
@@ -131,6 +175,23 @@ class ModelRunner:
                 self.device, self.device_config.keeps_weights_packed,
                 self.device_config.quantize_on_load,
             ))
+
+    def capture_cuda_graphs(self) -> str | None:
+        """Capture the CUDA graphs over the current weights and KV cache (again after sleep or a
+        weight reload). Returns what was captured, for the start-up log; None: no graphs here. A
+        model that cannot be captured (a host sync inside its forward pass, e.g. MoE routing
+        counts) runs eagerly, with a warning."""
+        if self.cuda_graphs is None:
+            return None
+        try:
+            self.cuda_graphs.capture(self.model, self.kv_caches, self.layer_groups)
+        except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
+            logger.warning("CUDA graphs could not be captured (%s: %s); every step runs eagerly",
+                           type(error).__name__, error)
+            self.cuda_graphs.clear()
+            self.cuda_graphs = None
+            return "none: capture failed, every step eager"
+        return self.cuda_graphs.describe()
 
     def memory_components(self) -> dict[str, int]:
         """Bytes of this rank's tensors, by part (observability/memory.py)."""
@@ -165,6 +226,8 @@ class ModelRunner:
         hold blocks). The caller frees the memory (gc, malloc_trim); reallocate_kv_cache()
         brings zeroed ones of the same shape back."""
         assert not self.requests, "the KV cache is released while requests hold blocks"
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.clear()  # they hold the cache's addresses
         self.kv_caches = []
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.kv.release_tensors()
@@ -189,6 +252,8 @@ class ModelRunner:
         """Run `model` (same architecture and shape) from now on (idle only). A self-draft
         drafts with the new model's first layers; a separate draft model stays as it is."""
         assert not self.requests, "the model is replaced while requests run"
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.clear()  # they hold the old weights' addresses
         self.model = model
         if self.lora_manager is not None:
             self.lora_manager.attach(model)
@@ -246,10 +311,15 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         """The step's sampled tokens; None on a pipeline stage before the last, which hands its
-        hidden states to the next stage instead."""
+        hidden states to the next stage instead. With async scheduling, a step that samples
+        returns once launched, its tokens still on their way to the host (get_output())."""
         step_start = time.perf_counter()
+        if self.async_sampling is not None:
+            self.async_sampling.begin_step()
         self._update_states(scheduler_output)
         grammar_output = scheduler_output.grammar
         connector_meta = scheduler_output.kv_connector_metadata
@@ -277,21 +347,30 @@ class ModelRunner:
             positions.extend(range(start, start + num_tokens))
 
         device = self.device
-        meta = build_grouped_attention_metadata(
-            [(s.block_ids, s.num_computed_tokens, s.num_computed_tokens + n)
-             for s, n in zip(states, num_scheduled)],
-            self.block_size, self.kv_caches, device, self.layer_groups)
-        query_start_loc = meta.query_start_loc
-        input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
-        intermediate_tensors = self._receive_intermediate(len(input_ids))
+        query_start_loc = [0]
+        for num_tokens in num_scheduled:
+            query_start_loc.append(query_start_loc[-1] + num_tokens)
+        placeholders = None  # async scheduling: inputs the previous step sampled on the device
+        if self.async_sampling is not None:
+            placeholders = self.async_sampling.placeholder_inputs(states, query_start_loc)
         lora_step = None
         if self.lora_manager is not None:
             lora_step = self.lora_manager.prepare_step([s.lora_int_id for s in states],
                                                        query_start_loc)
+        graph_size = self._cuda_graph_size(len(input_ids), lora_step, connector_meta)
+        input_ids_t, positions_t, meta = self._stage_inputs(
+            input_ids, positions,
+            [(s.block_ids, s.num_computed_tokens, s.num_computed_tokens + n)
+             for s, n in zip(states, num_scheduled)], graph_size)
+        if placeholders is not None:
+            self.async_sampling.fill_placeholders(input_ids_t, placeholders)
+        intermediate_tensors = self._receive_intermediate(len(input_ids))
         prepared = time.perf_counter()
-        with forward_context(meta, lora_step):
-            hidden_states = self.model(input_ids_t, positions_t, intermediate_tensors)
+        if graph_size is not None:
+            hidden_states = self.cuda_graphs.replay(graph_size, len(input_ids))[: len(input_ids)]
+        else:
+            with forward_context(meta, lora_step):
+                hidden_states = self.model(input_ids_t, positions_t, intermediate_tensors)
         forwarded = time.perf_counter()
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.wait_for_save(connector_meta)
@@ -324,8 +403,11 @@ class ModelRunner:
         logits_s = 0.0
         if logits_indices:
             head_start = time.perf_counter()
+            # From pinned memory without blocking: a pageable copy waits for the forward pass.
+            logits_indices_t = torch.tensor(logits_indices, dtype=torch.int64,
+                                            pin_memory=device.type == "cuda")
             logits = self.model.compute_logits(
-                hidden_states[torch.tensor(logits_indices, device=device)]
+                hidden_states[logits_indices_t.to(device, non_blocking=True)]
             )
             logits_s = time.perf_counter() - head_start
             if grammar_output is not None:
@@ -351,7 +433,43 @@ class ModelRunner:
         output.kv_connector_output = self._connector_output(wait=False)
         output.timings = RunnerTimings(prepared - step_start, forwarded - prepared, logits_s,
                                        time.perf_counter() - forwarded - logits_s)
+        if self.async_sampling is not None:
+            return self.async_sampling.step_output(output)
         return output
+
+    def _cuda_graph_size(self, num_tokens: int, lora_step, connector_meta) -> int | None:
+        """The captured size this step replays, or None: eager (counted, with why)."""
+        graphs = self.cuda_graphs
+        if graphs is None or not graphs.captured:
+            return None
+        if lora_step is not None:
+            graphs.count_eager("lora")
+            return None
+        if connector_meta is not None and self.kv_connector is not None:
+            graphs.count_eager("kv_transfer")
+            return None
+        size = graphs.size_for(num_tokens)
+        if size is None:
+            graphs.count_eager("tokens")
+        return size
+
+    def _stage_inputs(
+        self, input_ids: list[int], positions: list[int],
+        chunks: list[tuple[tuple[list[int], ...], int, int]], graph_size: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """The step's token ids and positions on the device, and its attention metadata: through
+        the persistent buffers on an accelerator (padded to graph_size for a replay), built
+        fresh on the CPU."""
+        inputs = self.step_inputs
+        max_blocks = max(len(tables[0]) for tables, _, _ in chunks)
+        if inputs is not None and inputs.fits(len(input_ids), len(chunks), max_blocks):
+            return inputs.stage(input_ids, positions, chunks, self.kv_caches, self.layer_groups,
+                                graph_size)
+        assert graph_size is None, "a replayed step must fit the buffers it was captured on"
+        meta = build_grouped_attention_metadata(chunks, self.block_size, self.kv_caches,
+                                                self.device, self.layer_groups)
+        return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
 
     def _connector_output(self, wait: bool):
         """The KV tiers' finished loads and counters (None: no connector, or nothing to say)."""
@@ -503,6 +621,8 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, states: list[CachedRequestState], output: ModelRunnerOutput
     ) -> None:
+        if self.async_sampling is not None:
+            self.async_sampling.before_sampling(states)
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         metadata = SamplingMetadata.build(
             [s.sampling_params for s in states],
@@ -514,25 +634,19 @@ class ModelRunner:
             self.device,
         )
         sampler_output = self.sampler(logits, metadata)
+        if self.async_sampling is not None:  # the tokens are read back later (get_output())
+            self.async_sampling.launch(output, states, sampler_output)
+            return
         sampled = sampler_output.sampled_token_ids.tolist()  # the step's device->host sync
         logprobs_rows = logprob_ids_rows = ranks = None
         if sampler_output.logprobs is not None:
             logprobs_rows = sampler_output.logprobs.tolist()
             logprob_ids_rows = sampler_output.logprob_token_ids.tolist()
             ranks = sampler_output.sampled_token_ranks.tolist()
-        for i, (state, token_id) in enumerate(zip(states, sampled)):
+        for state, token_id in zip(states, sampled):
             state.token_ids.append(token_id)
             state.output_token_ids.append(token_id)
-            output.sampled_token_ids[state.req_id] = [token_id]
-            num_logprobs = state.sampling_params.logprobs
-            if num_logprobs is not None and logprobs_rows is not None:
-                output.logprobs[state.req_id] = [
-                    TokenLogprobs(
-                        token_ids=logprob_ids_rows[i][: 1 + num_logprobs],
-                        logprobs=logprobs_rows[i][: 1 + num_logprobs],
-                        chosen_rank=ranks[i],
-                    )
-                ]
+        record_sampled(output, states, sampled, logprobs_rows, logprob_ids_rows, ranks)
 
     def _pool(
         self,

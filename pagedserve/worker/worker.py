@@ -25,6 +25,7 @@ from pagedserve.lora.worker_manager import WorkerLoRAManager
 from pagedserve.models.loader import load_model
 from pagedserve.observability import memory
 from pagedserve.observability.startup import startup_phase
+from pagedserve.worker.async_output import AsyncModelRunnerOutput
 from pagedserve.worker.model_runner import DTYPES, ModelRunner
 from pagedserve.worker.profiler import StepProfiler, step_range
 
@@ -115,7 +116,7 @@ class Worker:
                                 + (f", rank {self.rank}" if config.parallel.world_size > 1 else ""))
         self.model_runner = ModelRunner(
             self.model, config.model, config.cache, config.device, self.device,
-            speculative_config=config.speculative,
+            speculative_config=config.speculative, scheduler_config=config.scheduler,
         )
         if config.lora is not None:
             self.model_runner.lora_manager = WorkerLoRAManager(
@@ -163,11 +164,15 @@ class Worker:
 
     def _kernel_config(self) -> cpu_ops.KernelConfig:
         device = self.config.device
-        return cpu_ops.KernelConfig(device.cpu_kernels, device.fused_decoder_layers)
+        return cpu_ops.KernelConfig(device.cpu_kernels, device.fused_decoder_layers,
+                                    device.gpu_kernels)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         with cpu_ops.building_with(self._kernel_config()):  # a separate draft model loads here
             self.model_runner.initialize_kv_cache(num_blocks)
+        if self.model_runner.cuda_graphs is not None:
+            with startup_phase("CUDA graphs") as phase:
+                phase.detail = self.model_runner.capture_cuda_graphs()
         self._mark_ready_for_memory_report()
         if self.config.kv_transfer is not None:
             from pagedserve.kv_transfer.tiered import open_stores, parse_tiers
@@ -227,7 +232,11 @@ class Worker:
         return (parallel_state.get_tp_group().is_first_rank
                 and parallel_state.get_pp_group().is_last_rank)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+        """The step's output (with async scheduling, possibly still to be read back: world size
+        1 only); None on a rank that does not return one."""
         with step_range("pagedserve::worker.execute_model", self.is_profiling):
             output = self.model_runner.execute_model(scheduler_output)
         return output if self.is_output_rank else None
@@ -293,6 +302,7 @@ class Worker:
                 for model in self._models():
                     model.to(self.device)
             runner.reallocate_kv_cache()
+        runner.capture_cuda_graphs()  # the weights or the cache moved: their old addresses go
         if runner.kv_connector is not None:
             runner.kv_connector.register_kv_caches(runner.kv_caches)
         self.sleep_level = 0
@@ -313,12 +323,15 @@ class Worker:
         self.model_runner.replace_model(model)
         self.model, self.model_path = model, model_path
         release_memory(self.device)
+        self.model_runner.capture_cuda_graphs()
 
     def check_idle(self) -> list[str]:
         """What this rank still holds for requests (empty when idle)."""
         runner, problems = self.model_runner, []
         if runner.requests:
             problems.append(f"{len(runner.requests)} runner request states left")
+        if runner.async_sampling is not None and runner.async_sampling.unread_output is not None:
+            problems.append("a step's sampled tokens were never read back")
         if runner.kv_connector is not None and runner.kv_connector.num_loads_in_flight:
             problems.append(f"{runner.kv_connector.num_loads_in_flight} KV tier loads in flight")
         if runner.proposer is not None:

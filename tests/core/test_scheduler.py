@@ -15,6 +15,7 @@ the plain run, and KV left behind by a rejected draft is caught if it is ever re
 
 from __future__ import annotations
 
+import collections
 import random
 import subprocess
 import sys
@@ -170,7 +171,10 @@ class FakeModelRunner:
 
 
 class Harness:
-    """A scheduler and a fake runner in lockstep; collects each request's outputs."""
+    """A scheduler and a fake runner in lockstep; collects each request's outputs. With
+    `async_scheduling=True` (a SchedulerConfig field) it steps as the engine then does: step
+    N + 1 is scheduled and run before step N's results are applied (the fake runner, like the
+    device, knows every token it sampled)."""
 
     def __init__(
         self,
@@ -206,6 +210,12 @@ class Harness:
         self.history: list[SchedulerOutput] = []
         self.sampled: list[dict[str, list[int]]] = []
         """The runner's sampled tokens of each step, parallel to history."""
+        self.in_flight: collections.deque[tuple[SchedulerOutput, ModelRunnerOutput]] = (
+            collections.deque())
+        """Async scheduling: steps run whose results are not applied yet (at most one between
+        steps)."""
+        self.num_overlapped_steps = 0
+        """Async scheduling: steps scheduled while another step's results were not applied."""
 
     @property
     def pool(self):
@@ -216,8 +226,26 @@ class Harness:
             self.scheduler.add_request(request)
 
     def step(self) -> SchedulerOutput:
+        """Schedule and run a step; apply its results (async scheduling: the previous step's,
+        as LLMEngine._step_with_batch_queue does). Returns the step scheduled."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
+        self.history.append(scheduler_output)
+        self.sampled.append(runner_output.sampled_token_ids)
+        if self.scheduler.config.async_scheduling:
+            if self.in_flight and not scheduler_output.is_empty:
+                self.num_overlapped_steps += 1
+            if not scheduler_output.is_empty or not self.in_flight:
+                self.in_flight.append((scheduler_output, runner_output))
+            if len(self.in_flight) < 2 and not scheduler_output.is_empty:
+                self.scheduler.check_integrity()
+                return scheduler_output  # launched; its results are applied in the next step
+            self._apply(*self.in_flight.popleft())
+        else:
+            self._apply(scheduler_output, runner_output)
+        return scheduler_output
+
+    def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         for out in self.scheduler.update_from_output(scheduler_output, runner_output):
             self.outputs[out.req_id].extend(out.new_token_ids)
             self.num_cached_tokens[out.req_id] = out.num_cached_tokens
@@ -225,21 +253,22 @@ class Harness:
                 self.finish_reasons[out.req_id] = out.finish_reason
                 self.stop_reasons[out.req_id] = out.stop_reason
         self.scheduler.check_integrity()
-        self.history.append(scheduler_output)
-        self.sampled.append(runner_output.sampled_token_ids)
-        return scheduler_output
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
 
     def run(self, max_steps: int = 2000) -> dict[str, list[int]]:
         for _ in range(max_steps):
-            if not self.scheduler.has_unfinished_requests():
+            if not self.has_work():
                 break
             self.step()
-        assert not self.scheduler.has_unfinished_requests(), f"not done in {max_steps} steps"
+        assert not self.has_work(), f"not done in {max_steps} steps"
         self.assert_idle()
         return dict(self.outputs)
 
     def assert_idle(self) -> None:
         self.scheduler.check_integrity()
+        assert not self.in_flight
         assert not self.scheduler.requests and not self.scheduler.running
         assert self.pool.num_free_blocks == self.pool.num_usable_blocks
         # One more (empty) step hands the runner the last finished ids: it keeps no state.

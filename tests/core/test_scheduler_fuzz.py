@@ -5,8 +5,10 @@ on 23 usable blocks of 4 tokens force chunking, prefix hits and preemptions toge
 runner (see test_scheduler.py) checks every KV read, and each request's output must equal what
 the fake model gives it alone on a big pool. With speculation on, the fake runner proposes random
 drafts (some right, some wrong) and the outputs must still be those of the plain run alone. With
-windowed layers, each layer in its own KV cache group, the windows let go of blocks as requests
-run, and the outputs must be those of one group that keeps every block.
+async scheduling, each step is scheduled before the previous one's results are applied (output
+placeholders), and the outputs must still be the same. With windowed layers, each layer in its
+own KV cache group, the windows let go of blocks as requests run, and the outputs must be those
+of one group that keeps every block.
 """
 
 from __future__ import annotations
@@ -67,11 +69,14 @@ each in its own KV cache group (their windows let go of blocks, the references k
 
 
 @pytest.mark.parametrize("layers", LAYER_WINDOWS)
-@pytest.mark.parametrize("num_speculative_tokens", [0, 3])
+@pytest.mark.parametrize("num_speculative_tokens, async_scheduling",
+                         [(0, False), (3, False), (0, True)], ids=["plain", "spec", "async"])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workload_keeps_invariants_and_outputs(seed, num_speculative_tokens, layers):
+def test_random_workload_keeps_invariants_and_outputs(seed, num_speculative_tokens,
+                                                      async_scheduling, layers):
     rng = random.Random(seed)
     config = random_config(rng)
+    config["async_scheduling"] = async_scheduling
     enable_prefix_caching = seed != 3
     layer_windows = LAYER_WINDOWS[layers]
     harness = Harness(
@@ -89,7 +94,7 @@ def test_random_workload_keeps_invariants_and_outputs(seed, num_speculative_toke
     aborted: set[str] = set()
 
     step = 0
-    while arrivals or harness.scheduler.has_unfinished_requests():
+    while arrivals or harness.has_work():
         assert step < MAX_STEPS, f"not finished after {MAX_STEPS} steps"
         while arrivals and arrivals[0][0] <= step:
             harness.add(arrivals.pop(0)[1])
@@ -116,6 +121,8 @@ def test_random_workload_keeps_invariants_and_outputs(seed, num_speculative_toke
         assert num_split_prompts > 0
     if enable_prefix_caching:
         assert stats.prefix_cache_hits > 0
+    if async_scheduling:
+        assert harness.num_overlapped_steps > len(harness.history) // 2
     spec = stats.spec_decoding
     if num_speculative_tokens:
         # Drafts were verified, some accepted and some rejected (so KV was rolled back).
@@ -123,6 +130,7 @@ def test_random_workload_keeps_invariants_and_outputs(seed, num_speculative_toke
         assert any(out.scheduled_spec_decode_tokens for out in harness.history)
     else:
         assert spec.num_drafts == 0
+        assert not any(out.scheduled_spec_decode_tokens for out in harness.history)
     assert aborted and len(harness.finish_reasons) == len(requests) - len(aborted)
 
     for request in requests:

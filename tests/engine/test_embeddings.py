@@ -15,7 +15,7 @@ from pagedserve.engine.llm import LLM
 from pagedserve.executor.serialization import decode, encode
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
-from tests.engine.tiny_models import write_tiny_llama
+from tests.engine.tiny_models import checked_llms, write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,19 +41,8 @@ def hf_model(tiny_dir):
 @pytest.fixture
 def make_tiny(tiny_dir):
     """Factory: make_tiny(**engine_args) -> LLM over the tiny model, checked idle on teardown."""
-    llms: list[LLM] = []
-
-    def factory(**overrides) -> LLM:
-        overrides.setdefault("dtype", "float32")
-        overrides.setdefault("kv_cache_memory", "16MiB")
-        llm = LLM(model=tiny_dir, **overrides)
-        llms.append(llm)
-        return llm
-
-    yield factory
-    for llm in llms:
-        llm.engine.assert_idle()
-        llm.engine.shutdown()
+    with checked_llms(tiny_dir) as factory:
+        yield factory
 
 
 def reference_embedding(hf_model, token_ids: list[int], params: PoolingParams) -> torch.Tensor:

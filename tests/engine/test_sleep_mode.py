@@ -20,7 +20,7 @@ from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import EngineBusyError, EngineSleepingError
 from pagedserve.observability.memory import resident_bytes
 from pagedserve.sampling_params import SamplingParams
-from tests.engine.tiny_models import write_tiny_llama
+from tests.engine.tiny_models import checked_llms, write_tiny_llama
 
 pytest.importorskip("transformers")
 
@@ -48,19 +48,8 @@ def tiny_dirs(tmp_path_factory, tokenizer) -> dict[str, str]:
 def make_tiny():
     """Factory: make_tiny(path, **engine_args) -> LLM (fp32, its own weights); each is checked
     idle and shut down on teardown."""
-    llms: list[LLM] = []
-
-    def factory(path: str, **overrides) -> LLM:
-        overrides.setdefault("dtype", "float32")
-        overrides.setdefault("kv_cache_memory", "16MiB")
-        llm = LLM(model=path, **overrides)
-        llms.append(llm)
-        return llm
-
-    yield factory
-    for llm in llms:
-        llm.engine.assert_idle()
-        llm.engine.shutdown()
+    with checked_llms() as factory:
+        yield factory
 
 
 def greedy_tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:

@@ -3,7 +3,30 @@ for the lifecycle tests: two of the same shape with other weights, and one of an
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def checked_llms(default_model: str | None = None) -> Iterator[Callable[..., object]]:
+    """A factory for the test's engines: factory(model=default_model, **engine_args) -> LLM (fp32
+    and a 16 MiB pool unless overridden); on exit each is checked idle and shut down."""
+    from pagedserve.engine.llm import LLM
+
+    llms: list[LLM] = []
+
+    def factory(model: str | None = default_model, **overrides) -> LLM:
+        overrides.setdefault("dtype", "float32")
+        overrides.setdefault("kv_cache_memory", "16MiB")
+        llm = LLM(model=model, **overrides)
+        llms.append(llm)
+        return llm
+
+    yield factory
+    for llm in llms:
+        llm.engine.assert_idle()
+        llm.engine.shutdown()
 
 
 def write_tiny_llama(path: Path, tokenizer, seed: int, num_hidden_layers: int = 2,

@@ -194,11 +194,11 @@ def test_inline_chat_template_decodes_escapes():
 
 
 def test_ignored_flags_warn_once_each(caplog):
-    args = parse_serve("--swap-space", "4", "--enforce-eager", "--trust-remote-code",
+    args = parse_serve("--swap-space", "4", "--disable-cascade-attn", "--trust-remote-code",
                        "--tool-call-parser", "hermes")
     with caplog.at_level(logging.WARNING):
         given = vllm_flags.warn_ignored(args)
-    assert given == ["--trust-remote-code", "--enforce-eager", "--swap-space",
+    assert given == ["--trust-remote-code", "--disable-cascade-attn", "--swap-space",
                      "--tool-call-parser"]
     assert caplog.text.count("is accepted and ignored") == 4
     assert "never runs code shipped with a model" in caplog.text

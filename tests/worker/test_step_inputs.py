@@ -1,0 +1,102 @@
+"""The persistent step buffers (worker/step_inputs.py) against the per-step metadata builder: the
+same slots, block tables and offsets, and a padded step as a CUDA graph replays it. Runs on the
+CPU (the buffers are device-agnostic; only their host side is pinned on cuda)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve.attention.metadata import build_grouped_attention_metadata
+from pagedserve.worker.step_inputs import PAD_SLOT, NoHostData, StepInputs
+
+BLOCK_SIZE = 4
+
+
+def random_step(rng: random.Random, num_groups: int, num_decodes: int, chunk_lens: list[int]):
+    """Decodes first, then prefill chunks with earlier context: (chunks, ids, positions)."""
+    free = list(range(1, 400))
+    rng.shuffle(free)
+    chunks, input_ids, positions = [], [], []
+    for query_len in [1] * num_decodes + chunk_lens:
+        context = rng.randrange(0, 30)
+        end = context + query_len
+        tables = tuple([free.pop() for _ in range(-(-end // BLOCK_SIZE))]
+                       for _ in range(num_groups))
+        chunks.append((tables, context, end))
+        input_ids += [rng.randrange(1000) for _ in range(query_len)]
+        positions += range(context, end)
+    return chunks, input_ids, positions
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_staged_step_equals_the_built_metadata(num_groups):
+    rng = random.Random(num_groups)
+    inputs = StepInputs(64, 16, 16, num_groups, BLOCK_SIZE, torch.device("cpu"))
+    layer_groups = (0, 1) if num_groups == 2 else ()
+    for step in range(4):  # the staging buffers alternate: every step must stand alone
+        chunks, input_ids, positions = random_step(rng, num_groups, 3 + step, [5, 2][: step % 3])
+        ids, pos, meta = inputs.stage(input_ids, positions, chunks, [], layer_groups)
+        built = build_grouped_attention_metadata(chunks, BLOCK_SIZE, [], "cpu", layer_groups)
+        assert ids.tolist() == input_ids and pos.tolist() == positions
+        for group in range(num_groups):
+            ours = meta if group == 0 else meta.other_groups[group - 1]
+            theirs = built if group == 0 else built.other_groups[group - 1]
+            assert torch.equal(ours.slot_mapping, theirs.slot_mapping)
+            assert torch.equal(ours.block_table, theirs.block_table)
+        assert meta.query_start_loc == built.query_start_loc
+        assert meta.seq_lens == built.seq_lens and meta.context_lens == built.context_lens
+        assert meta.num_decodes == built.num_decodes == 3 + step
+        assert meta.query_start_loc_tensor.tolist() == built.query_start_loc
+        assert meta.seq_lens_tensor.tolist() == built.seq_lens
+        assert meta.decode_seq_lens.tolist() == built.decode_seq_lens.tolist()
+        assert meta.layer_groups == layer_groups
+
+
+def test_a_padded_step_puts_its_padding_in_one_sequence_over_the_null_block():
+    rng = random.Random(7)
+    inputs = StepInputs(64, 32, 16, 1, BLOCK_SIZE, torch.device("cpu"))
+    # A larger step first, so padding must overwrite what it left in the buffers.
+    chunks, input_ids, positions = random_step(rng, 1, 20, [9])
+    inputs.stage(input_ids, positions, chunks, [], ())
+    chunks, input_ids, positions = random_step(rng, 1, 5, [3])
+    num_tokens, num_seqs, size = len(input_ids), len(chunks), 16
+    num_padding = size - num_tokens
+    ids, pos, meta = inputs.stage(input_ids, positions, chunks, [], (), size)
+    assert ids.shape == pos.shape == meta.slot_mapping.shape == (size,)
+    assert ids[num_tokens:].eq(0).all()
+    assert pos[num_tokens:].tolist() == list(range(num_padding))
+    assert meta.slot_mapping[num_tokens:].eq(PAD_SLOT).all()  # no KV written for them
+    built = build_grouped_attention_metadata(chunks, BLOCK_SIZE, [], "cpu")
+    assert torch.equal(meta.slot_mapping[:num_tokens], built.slot_mapping)
+    # Six real sequences, the padding's (over block 0, the null block), then nine empty ones.
+    query_start_loc = meta.query_start_loc_tensor.tolist()
+    assert query_start_loc == built.query_start_loc + [size] * (size - num_seqs)
+    seq_lens = meta.seq_lens_tensor.tolist()
+    assert seq_lens == built.seq_lens + [num_padding] + [0] * (size - num_seqs - 1)
+    assert meta.block_table.shape == (size, 16)
+    assert torch.equal(meta.block_table[:num_seqs, : built.block_table.shape[1]],
+                       built.block_table)
+    assert meta.block_table[num_seqs, : -(-num_padding // BLOCK_SIZE)].eq(0).all()
+    # A captured step's host lists refuse to be read: a graph replays other contents.
+    assert isinstance(meta.seq_lens, NoHostData) and meta.num_reqs == size
+    with pytest.raises(RuntimeError, match="host metadata"):
+        meta.seq_lens[0]
+    with pytest.raises(RuntimeError, match="host metadata"):
+        list(meta.query_start_loc)
+
+
+def test_a_step_of_padding_alone_is_what_graphs_are_captured_on():
+    inputs = StepInputs(16, 16, 4, 1, BLOCK_SIZE, torch.device("cpu"))
+    ids, pos, meta = inputs.stage([], [], [], [], (), 8)
+    assert pos.tolist() == list(range(8)) and meta.slot_mapping.eq(PAD_SLOT).all()
+    assert meta.query_start_loc_tensor.tolist() == [0] + [8] * 8
+    assert meta.seq_lens_tensor.tolist() == [8] + [0] * 7
+
+
+def test_a_step_too_large_for_the_buffers_is_refused():
+    inputs = StepInputs(8, 4, 2, 1, BLOCK_SIZE, torch.device("cpu"))
+    assert inputs.fits(8, 4, 2)
+    assert not inputs.fits(9, 1, 1) and not inputs.fits(2, 5, 1) and not inputs.fits(2, 1, 3)
