@@ -56,6 +56,8 @@ class KVCacheManager:
         """Blocks let go of while their request ran, because every window had passed them."""
         self.peak_used_blocks = 0
         """Most blocks held by requests at once since start (or reset_peak_usage)."""
+        self._all_global = all(window is None for window in self.group_windows)
+        self._no_new_blocks: BlockTables = tuple(() for _ in self.group_windows)
 
     @property
     def num_groups(self) -> int:
@@ -138,8 +140,18 @@ class KVCacheManager:
         them once loaded and verified (`cache_blocks`), so nothing hits them before.
         """
         assert num_new_tokens > 0
-        hits = new_computed_blocks or self._no_blocks()
         req_blocks = self.req_to_blocks.get(request.request_id)
+        if (new_computed_blocks is None and req_blocks is not None and self._all_global
+                and not delay_cache_blocks):
+            # Most calls: a running request whose blocks already hold its next tokens (a decode
+            # inside its last block). Nothing to take from the pool, at most a block to index.
+            num_total_tokens = request.num_computed_tokens + num_new_tokens
+            if cdiv(num_total_tokens, self.block_size) <= len(req_blocks[0]):
+                if (self.enable_caching and min(num_total_tokens, request.num_tokens)
+                        // self.block_size > self.num_cached_blocks.get(request.request_id, 0)):
+                    self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens))
+                return self._no_new_blocks
+        hits = new_computed_blocks or self._no_blocks()
         if req_blocks is None:
             req_blocks = self._no_blocks()
         else:  # first let go of what no query from now on sees: those blocks count as free

@@ -42,6 +42,10 @@ class SequenceState:
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0
     """Tokens already returned in DELTA outputs."""
+    detokenize_at_end: bool = False
+    """Text is wanted only once the sequence ends (FINAL_ONLY) and no stop string needs it
+    earlier: tokens go to the detokenizer then, in one call, instead of every step (the same
+    text: it decodes windows of the same ids either way)."""
 
 
 @dataclass
@@ -109,6 +113,8 @@ class OutputProcessor:
                 detokenizer=detokenizer,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                detokenize_at_end=(detokenizer is not None and not detokenizer.stop
+                                   and output_kind == OutputKind.FINAL_ONLY),
             )
             self._seq_to_request[seq_id] = request_id
         first_params = next(iter(seq_params.values()))
@@ -181,7 +187,8 @@ class OutputProcessor:
                     state.metrics.first_token_time = now
                 state.metrics.last_token_time = now
                 new_token_ids, stop_str = out.new_token_ids, None
-                if seq.detokenizer is not None and seq.finish_reason is None:
+                if (seq.detokenizer is not None and seq.finish_reason is None
+                        and not seq.detokenize_at_end):
                     num_kept, stop_str = _detokenize(seq.detokenizer, new_token_ids)
                     new_token_ids = new_token_ids[:num_kept]
                 seq.token_ids.extend(new_token_ids)
@@ -223,6 +230,9 @@ class OutputProcessor:
         for seq in state.sequences.values():
             text = ""
             if seq.detokenizer is not None:
+                if seq.detokenize_at_end:
+                    seq.detokenizer.update(seq.token_ids)  # once: only a final output asks
+                    seq.detokenize_at_end = False
                 seq_done = seq.finish_reason is not None
                 text = seq.detokenizer.get_next_output_text(
                     finished=seq_done, delta=kind == OutputKind.DELTA
