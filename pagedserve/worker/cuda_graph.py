@@ -30,9 +30,18 @@ import torch
 
 from pagedserve.attention.kv_cache import KVCache
 from pagedserve.attention.metadata import forward_context
+from pagedserve.config import SchedulerConfig
 from pagedserve.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
+
+
+def usable_graph_sizes(configured: tuple[int, ...],
+                       scheduler_config: SchedulerConfig) -> tuple[int, ...]:
+    """The configured sizes a step can reach: at most the token budget, and at most twice
+    max_num_seqs (decodes plus a small chunk; larger steps are prefill-bound anyway)."""
+    largest = min(scheduler_config.max_num_batched_tokens, 2 * scheduler_config.max_num_seqs)
+    return tuple(size for size in configured if size <= largest)
 
 
 @dataclass

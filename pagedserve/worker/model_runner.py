@@ -43,7 +43,7 @@ from pagedserve.sampling_params import SamplingParams, SamplingType
 from pagedserve.spec_decode import TargetInfo, create_proposer
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.worker.async_output import AsyncModelRunnerOutput, AsyncSampling, record_sampled
-from pagedserve.worker.cuda_graph import CudaGraphRunner
+from pagedserve.worker.cuda_graph import CudaGraphRunner, usable_graph_sizes
 from pagedserve.worker.pooler import PoolingState, pool_chunk
 from pagedserve.worker.step_inputs import StepInputs
 
@@ -135,24 +135,20 @@ class ModelRunner:
         self.lora_manager: WorkerLoRAManager | None = None
         """The LoRA adapters' slots (lora/worker_manager.py); the worker sets it."""
         scheduler_config = scheduler_config or SchedulerConfig()
+        graph_sizes: tuple[int, ...] = ()
+        if (device.type == "cuda" and get_pp_group().world_size == 1
+                and get_tp_group().world_size == 1):
+            graph_sizes = usable_graph_sizes(device_config.cuda_graph_sizes, scheduler_config)
         self.step_inputs: StepInputs | None = None
         """Device buffers for a step's integer inputs, filled by non-blocking copies from pinned
         memory (on an accelerator; the CPU builds them per step)."""
         if device.type != "cpu":
-            self.step_inputs = StepInputs(
-                scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
-                -(-scheduler_config.max_model_len // self.block_size), self.num_kv_cache_groups,
-                self.block_size, device)
-        self.cuda_graphs: CudaGraphRunner | None = None
+            self.step_inputs = StepInputs.for_steps(
+                scheduler_config, graph_sizes, self.block_size, self.num_kv_cache_groups, device)
+        self.cuda_graphs: CudaGraphRunner | None = (
+            CudaGraphRunner(graph_sizes, self.step_inputs) if graph_sizes else None)
         """The captured CUDA graphs (worker/cuda_graph.py): cuda on one rank, with sizes
         configured (DeviceConfig.cuda_graph_sizes); None: every step eager."""
-        if (device.type == "cuda" and device_config.cuda_graph_sizes
-                and get_pp_group().world_size == 1 and get_tp_group().world_size == 1):
-            sizes = tuple(size for size in device_config.cuda_graph_sizes
-                          if size <= min(scheduler_config.max_num_batched_tokens,
-                                         scheduler_config.max_num_seqs * 2))
-            if sizes:
-                self.cuda_graphs = CudaGraphRunner(sizes, self.step_inputs)
         self.async_sampling: AsyncSampling | None = None
         """Async scheduling: execute_model returns before the sampled tokens are on the host
         (worker/async_output.py); None: it returns them."""

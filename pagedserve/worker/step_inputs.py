@@ -28,6 +28,7 @@ import torch
 
 from pagedserve.attention.kv_cache import KVCache
 from pagedserve.attention.metadata import AttentionMetadata, slot_mapping_of
+from pagedserve.config import SchedulerConfig
 
 PAD_SLOT = -1
 """Slot of a padding token: the attention backend writes no K/V for it."""
@@ -81,6 +82,16 @@ class StepInputs:
         self._turn = 0
         self._copied: list[torch.cuda.Event | None] = [None, None]
         """Per staging set, recorded behind the last copies out of it (cuda only)."""
+
+    @classmethod
+    def for_steps(cls, scheduler_config: SchedulerConfig, graph_sizes: tuple[int, ...],
+                  block_size: int, num_groups: int, device: torch.device) -> StepInputs:
+        """Buffers for every step the scheduler may make, and for every graph: a graph of N
+        tokens pads the batch to N sequences, which may be more than max_num_seqs."""
+        return cls(scheduler_config.max_num_batched_tokens,
+                   max((scheduler_config.max_num_seqs, *graph_sizes)),
+                   -(-scheduler_config.max_model_len // block_size), num_groups, block_size,
+                   device)
 
     @property
     def query_start_loc(self) -> torch.Tensor:

@@ -100,3 +100,23 @@ def test_a_step_too_large_for_the_buffers_is_refused():
     inputs = StepInputs(8, 4, 2, 1, BLOCK_SIZE, torch.device("cpu"))
     assert inputs.fits(8, 4, 2)
     assert not inputs.fits(9, 1, 1) and not inputs.fits(2, 5, 1) and not inputs.fits(2, 1, 3)
+
+
+@pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(256, 2048), (4, 8192),
+                                                                  (64, 64)])
+def test_the_buffers_hold_every_step_and_every_default_graph(max_num_seqs,
+                                                             max_num_batched_tokens):
+    from pagedserve.config import SchedulerConfig
+    from pagedserve.engine.arg_utils import default_cuda_graph_sizes
+    from pagedserve.worker.cuda_graph import CudaGraphRunner, EagerGraphs, usable_graph_sizes
+
+    config = SchedulerConfig(max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096)
+    sizes = usable_graph_sizes(default_cuda_graph_sizes(max_num_seqs, max_num_batched_tokens),
+                               config)
+    assert sizes[0] == 1 and sizes[-1] == min(2 * max_num_seqs, max_num_batched_tokens, 512)
+    for graph_sizes in (sizes, ()):  # with graphs, and eager (--enforce-eager)
+        inputs = StepInputs.for_steps(config, graph_sizes, 16, 1, torch.device("cpu"))
+        assert inputs.fits(max_num_batched_tokens, max_num_seqs, 4096 // 16)
+    CudaGraphRunner(sizes, StepInputs.for_steps(config, sizes, 16, 1, torch.device("cpu")),
+                    EagerGraphs())  # refuses sizes its buffers cannot pad to
