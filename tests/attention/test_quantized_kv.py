@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import pathlib
-import random
 import statistics
 
 import pytest
@@ -31,6 +30,7 @@ from pagedserve.attention.paged import write_kv_index_copy
 from pagedserve.attention.reference import reference_paged_attention
 from pagedserve.kernels import cpu_ops
 from pagedserve.sampling_params import SamplingParams
+from tests.attention.batches import scattered_block_tables
 from tests.cpu import NATIVE_BF16
 
 BLOCK_SIZE = 4
@@ -54,17 +54,9 @@ def backend(request):
 def build_batch(backend, kv_dtype, query_lens, context_lens, head_dim, seed=0):
     """A quantized cache of random KV (context everywhere), this step's K/V written through
     `backend`, and the step's metadata; decodes first. Returns q (fp32), kv_cache, meta."""
-    rng = random.Random(seed)
     torch.manual_seed(seed)
-    num_blocks = 2 + sum(-(-(q + c) // BLOCK_SIZE) for q, c in zip(query_lens, context_lens))
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)  # scattered block tables
-    block_tables, slots = [], []
-    for q_len, ctx in zip(query_lens, context_lens):
-        blocks = [free.pop() for _ in range(-(-(ctx + q_len) // BLOCK_SIZE))]
-        block_tables.append(blocks)
-        slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                  for p in range(ctx, ctx + q_len)]
+    num_blocks, block_tables, slots = scattered_block_tables(query_lens, context_lens,
+                                                             BLOCK_SIZE, seed)
     spec = KVCacheSpec.create(kv_dtype, torch.float32, 1, NUM_KV_HEADS, head_dim, BLOCK_SIZE)
     [kv_cache] = spec.allocate(num_blocks, "cpu")
     every_slot = torch.arange(num_blocks * BLOCK_SIZE)

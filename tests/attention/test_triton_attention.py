@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.attention.batches import scattered_block_tables
 from tests.triton_interpreter import ON_CUDA  # noqa: E402  (before the kernels)
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
@@ -64,17 +65,9 @@ def make_step(
 ) -> Step:
     """A random cache (every slot written, so stale KV is everywhere), scattered block tables,
     this step's K/V written by the torch backend; decodes first."""
-    rng = random.Random(seed)
     torch.manual_seed(seed)
-    num_blocks = 2 + sum(-(-(q + c) // block_size) for q, c in zip(query_lens, context_lens))
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    block_tables, slots = [], []
-    for q_len, context_len in zip(query_lens, context_lens):
-        blocks = [free.pop() for _ in range(-(-(q_len + context_len) // block_size))]
-        block_tables.append(blocks)
-        slots += [blocks[p // block_size] * block_size + p % block_size
-                  for p in range(context_len, context_len + q_len)]
+    num_blocks, block_tables, slots = scattered_block_tables(query_lens, context_lens,
+                                                             block_size, seed)
     spec = KVCacheSpec.create(kv_dtype, torch.float32, 1, num_kv_heads, head_dim, block_size)
     kv_cache = tuple(torch.zeros(shape, dtype=dtype, device=DEVICE)
                      for shape, dtype in zip(spec.shapes(num_blocks), spec.dtypes()))
