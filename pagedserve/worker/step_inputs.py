@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pagedserve.attention.kv_cache import KVCache
@@ -113,14 +114,20 @@ class StepInputs:
         the device buffers. num_padded: pad to this many tokens and sequences for a CUDA graph
         of that size (its metadata then has the graph's shapes: `captured_metadata`).
 
-        Padding: the tokens past the step's form one more sequence, at positions 0, 1, ... over
-        the null block 0 (never written: zeros), with slot -1 (they write no KV), so their rows
-        stay finite; the sequences after it have no tokens and seq_len 0."""
+        Padding: the tokens past the step's form more sequences of up to block_size tokens
+        each, at positions 0, 1, ... over the null block 0 (never written: zeros), with slot -1
+        (they write no KV), so their rows stay finite; the sequences after them have no tokens
+        and seq_len 0. Short sequences, not one long one: a graph may pad more tokens than a
+        sequence may hold (512 for a model of 256 positions), and a padding sequence must read
+        neither past the rotary tables nor past its block-table row. There are rows enough:
+        every real sequence has a token, so real plus padding sequences are at most num_padded.
+        """
         block_size = self.block_size
         num_tokens, num_seqs = len(input_ids), len(chunks)
         num_rows = num_tokens if num_padded is None else num_padded
         num_seq_rows = num_seqs if num_padded is None else num_padded
         num_padding = num_rows - num_tokens
+        num_padding_seqs = -(-num_padding // block_size)
         turn = self._turn
         self._turn ^= 1
         tokens, tables, offsets = self._staging[turn]
@@ -130,11 +137,11 @@ class StepInputs:
         tokens_np[0, :num_tokens] = input_ids
         tokens_np[1, :num_tokens] = positions
         tokens_np[0, num_tokens:num_rows] = 0
-        tokens_np[1, num_tokens:num_rows] = range(num_padding)
+        tokens_np[1, num_tokens:num_rows] = np.arange(num_padding) % block_size
         tokens_np[2:, num_tokens:num_rows] = PAD_SLOT
         max_blocks = max((len(tables_of[0]) for tables_of, _, _ in chunks), default=0)
-        num_table_rows = num_seqs + (num_padding > 0)
-        num_table_cols = max(max_blocks, -(-num_padding // block_size))
+        num_table_rows = num_seqs + num_padding_seqs
+        num_table_cols = max(max_blocks, min(num_padding, 1))
         tables_np[:, :num_table_rows, :num_table_cols] = 0
         query_start_loc = [0]
         seq_lens = []
@@ -153,11 +160,15 @@ class StepInputs:
             tokens_np[2 + group, :num_tokens] = group_slots
         seq_offset = self.max_num_seqs + 1
         offsets_np[: num_seqs + 1] = query_start_loc
-        offsets_np[num_seqs + 1 : num_seq_rows + 1] = num_rows  # the padding's, then none
+        # The padding's sequences (block_size tokens each, the last one the rest), then none.
+        padding_ends = np.minimum(np.arange(1, num_padding_seqs + 1) * block_size, num_padding)
+        padding_seqs = slice(num_seqs, num_seqs + num_padding_seqs)
+        offsets_np[num_seqs + 1 : num_seq_rows + 1] = num_rows
+        offsets_np[padding_seqs.start + 1 : padding_seqs.stop + 1] = num_tokens + padding_ends
         offsets_np[seq_offset : seq_offset + num_seqs] = seq_lens
         offsets_np[seq_offset + num_seqs : seq_offset + num_seq_rows] = 0
-        if num_padding:
-            offsets_np[seq_offset + num_seqs] = num_padding
+        offsets_np[seq_offset + padding_seqs.start : seq_offset + padding_seqs.stop] = np.diff(
+            padding_ends, prepend=0)
         # The copies: only the rows and columns this step uses (a graph reads no others).
         self.tokens[:, :num_rows].copy_(tokens[:, :num_rows], non_blocking=True)
         self.block_tables[:, :num_table_rows, :num_table_cols].copy_(

@@ -36,6 +36,8 @@ VARIANTS = {
     "graphs": dict(enforce_eager=False, gpu_kernels=True, async_scheduling=False),
     "graphs+async": dict(enforce_eager=False, gpu_kernels=True, async_scheduling=True),
 }
+REPEATS = int(os.environ.get("REPEATS", "2"))
+"""Timed runs of each pagedserve figure (the table shows the fastest; HF runs once)."""
 BANDWIDTH = 4.3e12
 """Bytes/s of a device-to-device copy measured on this workplace's H200 (device KINDS.md)."""
 BF16_PEAK = 790e12
@@ -93,14 +95,17 @@ def bench_pagedserve(path: str, name: str, variant: str, tokens: dict) -> None:
     llm.generate(prompts(4), SamplingParams(temperature=0, ignore_eos=True, max_tokens=8))
     for batch in BATCHES:
         ps = prompts(batch)
-        _, prefill_s = timed(lambda: llm.generate(ps, first))
-        outs, seconds = timed(lambda: llm.generate(ps, params))
-        ids = [o.outputs[0].token_ids for o in outs]
-        tokens[(variant, batch)] = ids
-        n = sum(map(len, ids))
-        log(engine="pagedserve", variant=variant, model=name, batch=batch, out_tok=n,
-            seconds=round(seconds, 3), out_tok_s=round(n / seconds, 1), load_s=round(load_s, 1),
-            decode_ms_per_step=round((seconds - prefill_s) / (OUT_LEN - 1) * 1e3, 3))
+        llm.generate(ps, first)  # the first step of this shape may compile a Triton variant
+        for repeat in range(REPEATS):
+            _, prefill_s = timed(lambda: llm.generate(ps, first))
+            outs, seconds = timed(lambda: llm.generate(ps, params))
+            ids = [o.outputs[0].token_ids for o in outs]
+            assert tokens.setdefault((variant, batch), ids) == ids, "a repeat gave other tokens"
+            n = sum(map(len, ids))
+            log(engine="pagedserve", variant=variant, model=name, batch=batch, repeat=repeat,
+                out_tok=n, seconds=round(seconds, 3), out_tok_s=round(n / seconds, 1),
+                load_s=round(load_s, 1),
+                decode_ms_per_step=round((seconds - prefill_s) / (OUT_LEN - 1) * 1e3, 3))
     if os.environ.get("PROFILE") == "1":
         for batch in (1, 64):
             profile_steps(llm, name, variant, batch)
@@ -176,21 +181,28 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def summarize(name: str, num_params: int, tokens: dict) -> None:
-    rows = {(r["variant"], r["batch"]): r for r in results
-            if r.get("model") == name and "batch" in r and "out_tok_s" in r}
+    rows: dict = {}
+    for r in results:  # the fastest repeat of each
+        if r.get("model") == name and "batch" in r and "out_tok_s" in r:
+            best = rows.get((r["variant"], r["batch"]))
+            if best is None or r["out_tok_s"] > best["out_tok_s"]:
+                rows[(r["variant"], r["batch"])] = r
     weight_bytes = 2 * num_params
     print(f"\n== {name}: {num_params / 1e9:.2f} B parameters, {weight_bytes / 1e9:.2f} GB bf16")
     print(f"{'variant':14} {'batch':>5} {'tok/s':>9} {'x eager':>8} {'x HF':>6} "
-          f"{'ms/step':>8} {'agree eager':>11}")
+          f"{'ms/step':>8} {'agree eager':>11} {'agree graphs':>12}")
     for (variant, batch), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         eager = rows.get(("eager", batch))
         hf = rows.get(("hf", batch))
-        same = (agreement(tokens[(variant, batch)], tokens[("eager", batch)])
-                if ("eager", batch) in tokens and (variant, batch) in tokens else float("nan"))
+        same, same_graphs = (
+            agreement(tokens[(variant, batch)], tokens[(other, batch)])
+            if (other, batch) in tokens and (variant, batch) in tokens else float("nan")
+            for other in ("eager", "graphs"))
         print(f"{variant:14} {batch:>5} {r['out_tok_s']:>9.1f} "
               f"{r['out_tok_s'] / eager['out_tok_s'] if eager else float('nan'):>8.2f} "
               f"{r['out_tok_s'] / hf['out_tok_s'] if hf else float('nan'):>6.2f} "
-              f"{r.get('decode_ms_per_step', float('nan')):>8.3f} {same:>11.3f}")
+              f"{r.get('decode_ms_per_step', float('nan')):>8.3f} {same:>11.3f} "
+              f"{same_graphs:>12.3f}")
     for variant in VARIANTS:
         one = rows.get((variant, 1))
         if one is not None:

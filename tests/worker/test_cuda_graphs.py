@@ -119,14 +119,20 @@ def test_graphs_give_the_eager_and_reference_tokens_in_fp32(model, request):
 
 
 def test_bf16_agreement_with_the_reference(smollm2_shaped):
+    """bf16 rounds differently in the fused kernels and in torch's ops, so greedy paths part at
+    the first near-tie and stay apart (what each new token conditions on differs). The rate is
+    reported; what is asserted is the first token of each request, which conditions only on the
+    prompt: a kernel bug changes nearly all of them, rounding only the rare near-tie."""
     token_prompts = prompts(49152, 16, seed=1)
     graphed, stats = generate(smollm2_shaped, "bfloat16", token_prompts, max_tokens=32)
     reference, _ = generate(smollm2_shaped, "bfloat16", token_prompts, max_tokens=32, **REFERENCE)
     rate = agreement(graphed, reference)
-    print(f"\nbf16 greedy agreement, graphs + Triton vs torch reference: {rate:.3f} "
+    first = sum(a[0] == b[0] for a, b in zip(graphed, reference)) / len(graphed)
+    print(f"\nbf16 greedy agreement, graphs + Triton vs torch reference: {rate:.3f} of positions "
+          f"up to each request's first difference, {first:.3f} of first tokens "
           f"({stats.replays} replays)")
     assert stats.replays > 0
-    assert rate > 0.5  # bf16 rounds differently in fused kernels; a real bug agrees ~never
+    assert first >= 0.5
 
 
 def test_sizes_and_eager_fallbacks_are_counted(tiny_llama):

@@ -55,7 +55,7 @@ def test_staged_step_equals_the_built_metadata(num_groups):
         assert meta.layer_groups == layer_groups
 
 
-def test_a_padded_step_puts_its_padding_in_one_sequence_over_the_null_block():
+def test_a_padded_step_puts_its_padding_in_block_sized_sequences_over_the_null_block():
     rng = random.Random(7)
     inputs = StepInputs(64, 32, 16, 1, BLOCK_SIZE, torch.device("cpu"))
     # A larger step first, so padding must overwrite what it left in the buffers.
@@ -63,23 +63,24 @@ def test_a_padded_step_puts_its_padding_in_one_sequence_over_the_null_block():
     inputs.stage(input_ids, positions, chunks, [], ())
     chunks, input_ids, positions = random_step(rng, 1, 5, [3])
     num_tokens, num_seqs, size = len(input_ids), len(chunks), 16
-    num_padding = size - num_tokens
+    num_padding = size - num_tokens  # 8: two sequences of a block each
     ids, pos, meta = inputs.stage(input_ids, positions, chunks, [], (), size)
     assert ids.shape == pos.shape == meta.slot_mapping.shape == (size,)
     assert ids[num_tokens:].eq(0).all()
-    assert pos[num_tokens:].tolist() == list(range(num_padding))
+    assert pos[num_tokens:].tolist() == [0, 1, 2, 3] * 2
     assert meta.slot_mapping[num_tokens:].eq(PAD_SLOT).all()  # no KV written for them
     built = build_grouped_attention_metadata(chunks, BLOCK_SIZE, [], "cpu")
     assert torch.equal(meta.slot_mapping[:num_tokens], built.slot_mapping)
-    # Six real sequences, the padding's (over block 0, the null block), then nine empty ones.
+    # Six real sequences, the padding's two (over block 0, the null block), then eight empty.
     query_start_loc = meta.query_start_loc_tensor.tolist()
-    assert query_start_loc == built.query_start_loc + [size] * (size - num_seqs)
+    assert query_start_loc == (built.query_start_loc + [num_tokens + 4, size]
+                               + [size] * (size - num_seqs - 2))
     seq_lens = meta.seq_lens_tensor.tolist()
-    assert seq_lens == built.seq_lens + [num_padding] + [0] * (size - num_seqs - 1)
+    assert seq_lens == built.seq_lens + [4, 4] + [0] * (size - num_seqs - 2)
     assert meta.block_table.shape == (size, 16)
     assert torch.equal(meta.block_table[:num_seqs, : built.block_table.shape[1]],
                        built.block_table)
-    assert meta.block_table[num_seqs, : -(-num_padding // BLOCK_SIZE)].eq(0).all()
+    assert meta.block_table[num_seqs : num_seqs + 2, 0].eq(0).all()
     # A captured step's host lists refuse to be read: a graph replays other contents.
     assert isinstance(meta.seq_lens, NoHostData) and meta.num_reqs == size
     with pytest.raises(RuntimeError, match="host metadata"):
@@ -90,10 +91,26 @@ def test_a_padded_step_puts_its_padding_in_one_sequence_over_the_null_block():
 
 def test_a_step_of_padding_alone_is_what_graphs_are_captured_on():
     inputs = StepInputs(16, 16, 4, 1, BLOCK_SIZE, torch.device("cpu"))
-    ids, pos, meta = inputs.stage([], [], [], [], (), 8)
-    assert pos.tolist() == list(range(8)) and meta.slot_mapping.eq(PAD_SLOT).all()
-    assert meta.query_start_loc_tensor.tolist() == [0] + [8] * 8
-    assert meta.seq_lens_tensor.tolist() == [8] + [0] * 7
+    ids, pos, meta = inputs.stage([], [], [], [], (), 10)
+    assert pos.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1] and meta.slot_mapping.eq(PAD_SLOT).all()
+    assert meta.query_start_loc_tensor.tolist() == [0, 4, 8] + [10] * 8
+    assert meta.seq_lens_tensor.tolist() == [4, 4, 2] + [0] * 7
+
+
+def test_padding_never_outgrows_a_sequence():
+    """A graph may pad more tokens than one sequence may hold: 16 here, against 2 blocks (8
+    positions) per sequence. (As one sequence, the padding of a 512-token graph on a model of
+    256 positions read past the rotary tables and its block-table row: an illegal memory access
+    on an H200.)"""
+    max_blocks_per_seq = 2
+    inputs = StepInputs(16, 16, max_blocks_per_seq, 1, BLOCK_SIZE, torch.device("cpu"))
+    for input_ids, positions, chunks in (([], [], []), ([5], [6], [(([3, 4],), 6, 7)])):
+        _, pos, meta = inputs.stage(input_ids, positions, chunks, [], (), 16)
+        assert pos.max() < max_blocks_per_seq * BLOCK_SIZE
+        seq_lens = meta.seq_lens_tensor
+        assert seq_lens.max() <= max_blocks_per_seq * BLOCK_SIZE and int(seq_lens.sum()) > 0
+        query_lens = meta.query_start_loc_tensor.diff()
+        assert query_lens.sum() == 16 and query_lens.le(seq_lens).all()
 
 
 def test_a_step_too_large_for_the_buffers_is_refused():
