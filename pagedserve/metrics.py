@@ -155,7 +155,46 @@ class _SpecDecodeMetrics:
         self._last = stats.copy()
 
 
-class _KVTierMetrics:
+class _FollowedCounters:
+    """Prometheus counters that follow running totals kept elsewhere (each grows by its
+    total's growth since the last record)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self._last: dict[tuple, float] = {}
+
+    def _follow(self, family: Counter, total: float, **labels: str) -> None:
+        key = (id(family), *sorted(labels.items()))
+        family.labels(model_name=self.model_name, **labels).inc(
+            _counter_growth(total, self._last.get(key, 0)))
+        self._last[key] = total
+
+
+class _CudaGraphMetrics(_FollowedCounters):
+    """CUDA graph replays, their padding, and the steps run eagerly by reason
+    (worker/cuda_graph.py), following the engine's CudaGraphCounters."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        super().__init__(model_name)
+        self.replays = Counter("pagedserve:cuda_graph_replays", "Engine steps run by replaying "
+                               "a captured CUDA graph.", ["model_name"], registry=registry)
+        self.padded_tokens = Counter(
+            "pagedserve:cuda_graph_padded_tokens", "Padding tokens computed by CUDA graph "
+            "replays (each step's tokens rounded up to a captured size).", ["model_name"],
+            registry=registry)
+        self.eager_steps = Counter(
+            "pagedserve:cuda_graph_eager_steps", "Engine steps run eagerly although CUDA graphs "
+            "are captured, by reason: tokens (more than the largest graph), lora, kv_transfer.",
+            ["model_name", "reason"], registry=registry)
+
+    def record(self, counters) -> None:
+        self._follow(self.replays, counters.replays)
+        self._follow(self.padded_tokens, counters.padded_tokens)
+        for reason, count in counters.eager_steps.items():
+            self._follow(self.eager_steps, count, reason=reason)
+
+
+class _KVTierMetrics(_FollowedCounters):
     """The KV tiers' counters (kv_transfer/): lookups, hits per tier, the cost model's decisions,
     transfers (blocks, bytes, seconds) and faults per tier. Each follows its KVTierStats total."""
 
@@ -169,7 +208,7 @@ class _KVTierMetrics:
     }
 
     def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
-        self.model_name = model_name
+        super().__init__(model_name)
 
         def family(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(f"pagedserve:kv_tier_{name}", doc, ["model_name", *labels],
@@ -195,14 +234,6 @@ class _KVTierMetrics:
                              "or layout's KV).", ("tier", "kind"))
         for decision in ("load", "recompute"):
             self.decisions.labels(model_name=model_name, decision=decision)
-        self._last: dict[tuple, float] = {}
-
-    def _follow(self, family: Counter, total: float, **labels: str) -> None:
-        key = (id(family), *sorted(labels.items()))
-        last = self._last.get(key, 0)
-        family.labels(model_name=self.model_name, **labels).inc(
-            total - last if total >= last else total)  # smaller: a new engine's counters
-        self._last[key] = total
 
     def record(self, stats) -> None:
         self._follow(self.lookup_tokens, stats.lookup_tokens)
@@ -342,6 +373,7 @@ class PrometheusStatLogger:
             "to fill their token bitmasks.", buckets=GRAMMAR_MASK_BUCKETS)
         self._structured_seen = {"requests": 0, "failures": 0, "compiles": 0, "masks": 0}
         self._kv_tier: _KVTierMetrics | None = None
+        self._cuda_graphs: _CudaGraphMetrics | None = None
         self._spec_decode: _SpecDecodeMetrics | None = None
         if num_speculative_tokens is not None:
             self._spec_decode = _SpecDecodeMetrics(
@@ -373,6 +405,10 @@ class PrometheusStatLogger:
                 if self._kv_tier is None:
                     self._kv_tier = _KVTierMetrics(self.model_name, self.registry)
                 self._kv_tier.record(stats.kv_tier)
+            if stats.cuda_graphs is not None:
+                if self._cuda_graphs is None:
+                    self._cuda_graphs = _CudaGraphMetrics(self.model_name, self.registry)
+                self._cuda_graphs.record(stats.cuda_graphs)
 
     def _record_structured_output(self, stats) -> None:
         """Counters grow by their totals' growth; each timing is observed once (by number)."""

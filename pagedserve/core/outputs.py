@@ -127,6 +127,11 @@ class ModelRunnerOutput:
     """KV tier loads finished since the last step, and transfer counters."""
     timings: RunnerTimings | None = None
     """Where the runner's time went (the last pipeline stage's; None: not measured)."""
+    cuda_graph_size: int | None = None
+    """The captured CUDA graph size this step replayed (its tokens padded up to it)."""
+    eager_reason: str | None = None
+    """Why a step ran eagerly although CUDA graphs are captured ("tokens": more than the
+    largest graph, "lora", "kv_transfer"); both None: no graphs here."""
     pooled_outputs: dict[str, list[float]] = field(default_factory=dict)
     """req_id -> the pooled, truncated, normalized vector of each pooling request whose prompt
     was completed this step (plain floats: no tensor leaves the runner)."""

@@ -57,6 +57,27 @@ class SpecDecodingStats:
 
 
 @dataclass
+class CudaGraphCounters:
+    """How steps ran where CUDA graphs are captured (worker/cuda_graph.py): counters since
+    start-up."""
+
+    replays: int = 0
+    replayed_tokens: int = 0
+    padded_tokens: int = 0
+    """Padding rows computed by replays (the cost of a size ladder with gaps)."""
+    eager_steps: dict[str, int] = field(default_factory=dict)
+    """Why steps ran eagerly: "tokens" (larger than every graph), "lora", "kv_transfer"."""
+
+    def observe_replay(self, size: int, num_tokens: int) -> None:
+        self.replays += 1
+        self.replayed_tokens += num_tokens
+        self.padded_tokens += size - num_tokens
+
+    def observe_eager(self, reason: str) -> None:
+        self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int
     num_waiting_reqs: int
@@ -72,3 +93,6 @@ class SchedulerStats:
     """Counters of constrained decoding; the engine fills them (its manager owns them)."""
     kv_tier: KVTierStats | None = None
     """Counters of the KV tiers (None: no connector)."""
+    cuda_graphs: CudaGraphCounters | None = None
+    """Replayed and eager steps; the engine fills them from the runner's outputs (None: no
+    step has run with CUDA graphs captured)."""

@@ -25,7 +25,7 @@ from pagedserve.config import EngineConfig, async_scheduling_conflicts
 from pagedserve.core.kv_cache_groups import KVCacheLayout
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.stats import SchedulerStats
+from pagedserve.core.stats import CudaGraphCounters, SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.warmup import warm_up
@@ -168,6 +168,9 @@ class LLMEngine:
         self._awaiting: dict[str, _Awaiting] = {}
         """Request id -> its sequences whose grammar is still compiling or whose adapter is
         still loading."""
+        self.cuda_graph_counters: CudaGraphCounters | None = None
+        """Steps replayed from CUDA graphs and steps run eagerly, as the runner's outputs say
+        (None until a step runs with graphs captured)."""
         self._request_counter = itertools.count()
         self.max_batches_in_flight = 0
         """Most steps seen in flight at once (more than one only with pipeline stages or async
@@ -558,11 +561,25 @@ class LLMEngine:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineOutput]:
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._count_cuda_graph_step(scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)
         for seq_id, stop_str in processed.stopped_by_string.items():
             self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop_str)
         self._release_finished_if_idle()
         return self._release_adapters(processed.request_outputs)
+
+    def _count_cuda_graph_step(self, scheduler_output: SchedulerOutput,
+                               runner_output: ModelRunnerOutput) -> None:
+        size, reason = runner_output.cuda_graph_size, runner_output.eager_reason
+        if size is None and reason is None:
+            return
+        if self.cuda_graph_counters is None:
+            self.cuda_graph_counters = CudaGraphCounters()
+        if size is not None:
+            self.cuda_graph_counters.observe_replay(
+                size, scheduler_output.total_num_scheduled_tokens)
+        else:
+            self.cuda_graph_counters.observe_eager(reason)
 
     def _release_adapters(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
         """Let go of the adapters of the requests that finished among `outputs`."""
@@ -597,6 +614,7 @@ class LLMEngine:
         stats = self.scheduler.stats()
         stats.num_waiting_reqs += len(self._awaiting)
         stats.structured_output = self.structured_output_manager.stats()
+        stats.cuda_graphs = self.cuda_graph_counters
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -20,17 +20,17 @@ the graphs when the KV cache or the weights go (sleep, weight reload), `capture`
 from __future__ import annotations
 
 import bisect
-import collections
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from pagedserve.attention.kv_cache import KVCache
 from pagedserve.attention.metadata import forward_context
 from pagedserve.config import SchedulerConfig
+from pagedserve.core.stats import CudaGraphCounters
 from pagedserve.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -45,18 +45,14 @@ def usable_graph_sizes(configured: tuple[int, ...],
 
 
 @dataclass
-class CudaGraphStats:
+class CudaGraphStats(CudaGraphCounters):
+    """The runner's counters (core/stats.py), and what was captured."""
+
     sizes: tuple[int, ...] = ()
     """The sizes captured (tokens)."""
     capture_seconds: float = 0.0
     capture_bytes: int = 0
     """Device memory the graphs took (their shared pool), as the free memory fell."""
-    replays: int = 0
-    eager_steps: collections.Counter = field(default_factory=collections.Counter)
-    """Why steps ran eagerly: "tokens" (larger than every graph), "lora", "kv_transfer"."""
-    replayed_tokens: int = 0
-    padded_tokens: int = 0
-    """Padding rows computed by replays (the cost of a size ladder with gaps)."""
 
 
 class TorchCudaGraphs:
@@ -160,13 +156,8 @@ class CudaGraphRunner:
         """Run the graph of `size` on the inputs staged for it; the step's hidden states, (size,
         hidden) in a buffer the next replay overwrites (rows num_tokens.. are padding)."""
         self._replays[size]()
-        self.stats.replays += 1
-        self.stats.replayed_tokens += num_tokens
-        self.stats.padded_tokens += size - num_tokens
+        self.stats.observe_replay(size, num_tokens)
         return self._outputs[size]
-
-    def count_eager(self, reason: str) -> None:
-        self.stats.eager_steps[reason] += 1
 
     def clear(self) -> None:
         """Drop every graph (and with them the pool's memory)."""

@@ -353,7 +353,8 @@ class ModelRunner:
         if self.lora_manager is not None:
             lora_step = self.lora_manager.prepare_step([s.lora_int_id for s in states],
                                                        query_start_loc)
-        graph_size = self._cuda_graph_size(len(input_ids), lora_step, connector_meta)
+        graph_size, eager_reason = self._cuda_graph_decision(len(input_ids), lora_step,
+                                                             connector_meta)
         input_ids_t, positions_t, meta = self._stage_inputs(
             input_ids, positions,
             [(s.block_ids, s.num_computed_tokens, s.num_computed_tokens + n)
@@ -376,7 +377,7 @@ class ModelRunner:
             self._send_intermediate(hidden_states)
             return None
 
-        output = ModelRunnerOutput()
+        output = ModelRunnerOutput(cuda_graph_size=graph_size, eager_reason=eager_reason)
         self._compute_prompt_logprobs(states, num_scheduled, query_start_loc, hidden_states, output)
         self._pool(states, num_scheduled, query_start_loc, hidden_states, output)
 
@@ -433,21 +434,24 @@ class ModelRunner:
             return self.async_sampling.step_output(output)
         return output
 
-    def _cuda_graph_size(self, num_tokens: int, lora_step, connector_meta) -> int | None:
-        """The captured size this step replays, or None: eager (counted, with why)."""
+    def _cuda_graph_decision(self, num_tokens: int, lora_step, connector_meta
+                             ) -> tuple[int | None, str | None]:
+        """(the captured size this step replays, None) or (None, why it runs eagerly: counted);
+        (None, None) without captured graphs."""
         graphs = self.cuda_graphs
         if graphs is None or not graphs.captured:
-            return None
+            return None, None
+        size = None
         if lora_step is not None:
-            graphs.count_eager("lora")
-            return None
-        if connector_meta is not None and self.kv_connector is not None:
-            graphs.count_eager("kv_transfer")
-            return None
-        size = graphs.size_for(num_tokens)
-        if size is None:
-            graphs.count_eager("tokens")
-        return size
+            reason = "lora"
+        elif connector_meta is not None and self.kv_connector is not None:
+            reason = "kv_transfer"
+        else:
+            size = graphs.size_for(num_tokens)
+            reason = "tokens" if size is None else None
+        if reason is not None:
+            graphs.stats.observe_eager(reason)
+        return size, reason
 
     def _stage_inputs(
         self, input_ids: list[int], positions: list[int],

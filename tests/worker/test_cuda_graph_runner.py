@@ -125,6 +125,17 @@ def test_the_runner_picks_the_smallest_size_that_holds_a_step():
         CudaGraphRunner((16,), StepInputs(8, 8, 2, 1, 4, torch.device("cpu")))
 
 
+def prometheus_exposition(stats) -> str:
+    """/metrics' text after one step's stats (a fresh registry, model name "m")."""
+    import prometheus_client
+
+    from pagedserve.metrics import PrometheusStatLogger
+
+    logger = PrometheusStatLogger("m", registry=prometheus_client.CollectorRegistry())
+    logger.record_step(stats, 0.0)
+    return prometheus_client.generate_latest(logger.registry).decode()
+
+
 def use_graph_path(llm, sizes: tuple[int, ...]):
     """Turn a CPU engine's runner into what it is on cuda: the Triton kernels in the model, the
     persistent step buffers, and graphs of `sizes` (captured by the eager stand-in)."""
@@ -169,6 +180,15 @@ def test_an_engine_on_the_graph_path_gives_the_eager_tokens(tmp_path, tokenizer,
     assert stats.replays > 0 and stats.eager_steps["tokens"] > 0  # decodes replayed; prompts not
     if async_scheduling:
         assert graphed.engine.num_overlapped_steps > 0
+    # The engine counts what the runner's outputs say, and /metrics exports it.
+    counters = graphed.engine.get_stats().cuda_graphs
+    assert (counters.replays, counters.replayed_tokens, counters.padded_tokens,
+            counters.eager_steps) == (stats.replays, stats.replayed_tokens, stats.padded_tokens,
+                                      dict(stats.eager_steps))
+    exported = prometheus_exposition(graphed.engine.get_stats())
+    assert f'pagedserve:cuda_graph_replays_total{{model_name="m"}} {stats.replays}.0' in exported
+    assert (f'pagedserve:cuda_graph_eager_steps_total{{model_name="m",reason="tokens"}} '
+            f'{stats.eager_steps["tokens"]}.0') in exported
     graphed.engine.assert_idle()
     graphed.engine.shutdown()
     assert outputs == expected
