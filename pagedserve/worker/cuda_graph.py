@@ -4,10 +4,11 @@ size and replayed, so a decode step costs one launch instead of hundreds.
 A graph of size N serves any step of at most N tokens, decodes and small prefill chunks alike: the
 step's inputs are staged into the persistent buffers of worker/step_inputs.py, padded to N tokens
 (id 0, slot -1: no K/V written; sequences of up to a block each over the null block) and N
-sequences (the extra ones with no query tokens and seq_len 0). What makes one graph serve every mix of requests is the attention backend: it
-must find each request's queries and keys from device tensors alone (the Triton backend,
-attention/triton_backend.py). Everything else in the model is row-wise (matmuls, norms,
-activations, rotary), so padding rows never change a real token's output.
+sequences (the extra ones with no query tokens and seq_len 0). What makes one graph serve every
+mix of requests is the attention backend: it must find each request's queries and keys from
+device tensors alone (the Triton backend, attention/triton_backend.py). Everything else in the
+model is row-wise (matmuls, norms, activations, rotary), so padding rows never change a real
+token's output.
 
 Steps the graphs cannot serve run eagerly and are counted by reason (`CudaGraphStats`): more
 tokens than the largest size, a LoRA adapter in the step, KV tier transfers. The engine decides

@@ -15,8 +15,8 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --form
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "$what" != bench ]; then
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --durations=15 \
-        --tb=short ${PYTEST_ARGS:-} ${2:+-k "$2"} tests/kernels/test_triton_ops.py tests/attention/test_triton_attention.py \
-        tests/worker/ 2>&1 | tee "$out/tests.log"
+        --tb=short ${PYTEST_ARGS:-} ${2:+-k "$2"} tests/kernels/test_triton_ops.py \
+        tests/attention/test_triton_attention.py tests/worker/ 2>&1 | tee "$out/tests.log"
 fi
 if [ "$what" != tests ]; then
     SHAPES="${SHAPES:-1.7b}" timeout "${BENCH_TIMEOUT:-330}" \

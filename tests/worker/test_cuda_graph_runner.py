@@ -125,17 +125,6 @@ def test_the_runner_picks_the_smallest_size_that_holds_a_step():
         CudaGraphRunner((16,), StepInputs(8, 8, 2, 1, 4, torch.device("cpu")))
 
 
-def prometheus_exposition(stats) -> str:
-    """/metrics' text after one step's stats (a fresh registry, model name "m")."""
-    import prometheus_client
-
-    from pagedserve.metrics import PrometheusStatLogger
-
-    logger = PrometheusStatLogger("m", registry=prometheus_client.CollectorRegistry())
-    logger.record_step(stats, 0.0)
-    return prometheus_client.generate_latest(logger.registry).decode()
-
-
 def use_graph_path(llm, sizes: tuple[int, ...]):
     """Turn a CPU engine's runner into what it is on cuda: the Triton kernels in the model, the
     persistent step buffers, and graphs of `sizes` (captured by the eager stand-in)."""
@@ -162,7 +151,10 @@ def test_an_engine_on_the_graph_path_gives_the_eager_tokens(tmp_path, tokenizer,
     at a padded size or run eagerly when larger, placeholders of async scheduling filled into
     the replayed buffers; the tokens are those of the plain engine."""
     from pagedserve.engine.llm import LLM
+    from pagedserve.metrics import PrometheusStatLogger
     from pagedserve.sampling_params import SamplingParams
+    from tests.test_metrics import MODEL as METRICS_MODEL
+    from tests.test_metrics import scrape
 
     path = write_tiny_llama(tmp_path, tokenizer, seed=7)
     prompts = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38]]
@@ -185,10 +177,12 @@ def test_an_engine_on_the_graph_path_gives_the_eager_tokens(tmp_path, tokenizer,
     assert (counters.replays, counters.replayed_tokens, counters.padded_tokens,
             counters.eager_steps) == (stats.replays, stats.replayed_tokens, stats.padded_tokens,
                                       dict(stats.eager_steps))
-    exported = prometheus_exposition(graphed.engine.get_stats())
-    assert f'pagedserve:cuda_graph_replays_total{{model_name="m"}} {stats.replays}.0' in exported
-    assert (f'pagedserve:cuda_graph_eager_steps_total{{model_name="m",reason="tokens"}} '
-            f'{stats.eager_steps["tokens"]}.0') in exported
+    stat_logger = PrometheusStatLogger(METRICS_MODEL)
+    stat_logger.record_step(graphed.engine.get_stats(), 0.0)
+    exported = scrape(stat_logger)
+    assert exported[("pagedserve:cuda_graph_replays_total",)] == stats.replays
+    assert (exported[("pagedserve:cuda_graph_eager_steps_total", ("reason", "tokens"))]
+            == stats.eager_steps["tokens"])
     graphed.engine.assert_idle()
     graphed.engine.shutdown()
     assert outputs == expected
