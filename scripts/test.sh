@@ -24,4 +24,11 @@ install_missing() {
 }
 install_missing "redis-server" "redis-server" "the Redis store tests"
 install_missing "chromium chromedriver" "chromium chromium-driver" "the dashboard's browser test"
-exec .venv/bin/python -m pytest -q "$@"
+# One pytest-xdist worker per usable CPU, at most 4 (each holds its own copy of the models);
+# tests/conftest.py pins each worker to its share of the CPUs. A test file runs whole on one
+# worker (--dist loadfile), so module fixtures (servers, engines) start once.
+# TEST_WORKERS=0 runs everything in this one process.
+workers="${TEST_WORKERS:-$(nproc)}"
+[ "$workers" -le 4 ] || workers=4
+[ "$workers" -gt 1 ] || workers=0
+exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@"

@@ -5,11 +5,31 @@ Every engine made through `make_llm` is checked on teardown: all KV blocks free,
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from pagedserve.distributed.cpu_binding import bind_to_cpus, cpu_share, usable_cpus
 from tests.shared_engines import shared_weights_llm
 
 # Engine imports live inside the fixtures: tests/core must run without importing torch.
+
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (scripts/test.sh runs a worker per usable CPU) each worker takes its
+    own share of the CPUs before torch is imported. Its torch threads, and the servers and ranks
+    it starts (they inherit the affinity and size their thread pools by it), then leave the other
+    workers' cores alone: OpenMP threads that share a core wait on each other's time slices."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+    if worker is None:
+        return
+    index, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    cpus = cpu_share(usable_cpus(), index, count)
+    bind_to_cpus(cpus)
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+
+
+_pin_xdist_worker()
 
 
 @pytest.fixture(scope="session")

@@ -164,7 +164,7 @@ def wait_for_polled_load(router: ServedProcess, worker: ServedProcess, at_least:
 
 def test_killed_worker_fails_only_what_it_held(tmp_path):
     workers = start_workers(tmp_path, ["k0", "k1"])
-    num_requests, concurrency, kill_after = 40, 8, 12
+    num_requests, concurrency, kill_after = 28, 8, 10
     results: list[tuple[float, bool]] = []  # (start time, succeeded)
     lock = threading.Lock()
     kill_time: list[float] = []

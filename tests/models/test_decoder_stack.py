@@ -1,5 +1,6 @@
-"""The compiled decoder stack against the Python modules on the real model (bf16 and fp32,
-packed GGUF).
+"""The compiled decoder stack against the Python modules on the real model (packed GGUF), in the
+CPU's compute dtype (`--dtype auto`: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere),
+and past the packed row limit in both dtypes.
 
 Both run the same kernels in the same order, so greedy tokens and their logprobs must be equal
 exactly, not merely close: decode steps of one and of several requests, batches past
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.engine.arg_utils import resolve_dtype
 from pagedserve.kernels import cpu_ops
 from pagedserve.layers import linear as linear_layers
 from pagedserve.models.decoder_stack import FUSED_MAX_TOKENS
@@ -22,6 +24,9 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(cpu_ops.load() is None, reason="the compiled CPU kernels are unavailable"),
 ]
+COMPUTE_DTYPE = resolve_dtype("auto", "cpu")
+"""The dtype this CPU serves in. bf16 on a CPU without native bf16 (AVX2 only) runs the same
+stack code emulated, minutes per test: there it is checked once, past the packed row limit."""
 
 
 def _generate(llm, prompts, max_tokens=24, lora_request=None):
@@ -45,7 +50,7 @@ def _modules_only(llm, monkeypatch) -> None:
 @pytest.mark.parametrize("num_prompts", [1, 4])
 def test_stack_equals_modules(make_llm, monkeypatch, stack_calls, num_prompts):
     # no prefix caching: the second run must compute its prompts exactly as the first did
-    llm = make_llm(dtype="bfloat16", enable_prefix_caching=False)
+    llm = make_llm(dtype=COMPUTE_DTYPE, enable_prefix_caching=False)
     calls = stack_calls
     prompts = PARITY_PROMPTS[:num_prompts]
     fused = _generate(llm, prompts)
@@ -91,7 +96,7 @@ def test_stack_equals_modules_with_lora_adapters(make_llm, model_path, monkeypat
         tmp_path / f"a{i}", config, rank, targets, seed=i, scale=0.08))
         for i, (rank, targets) in enumerate([(8, ["q_proj", "v_proj", "down_proj"]),
                                              (16, ["o_proj", "gate_proj", "up_proj"])])]
-    llm = make_llm(dtype="bfloat16", enable_prefix_caching=False, enable_lora=True, max_loras=2)
+    llm = make_llm(dtype=COMPUTE_DTYPE, enable_prefix_caching=False, enable_lora=True, max_loras=2)
     for lora in loras:
         llm.add_lora(lora)  # loaded before: both runs take the same steps
     prompts, per_prompt = PARITY_PROMPTS[:4], [loras[0], None, loras[1], loras[0]]
@@ -105,7 +110,7 @@ def test_stack_equals_modules_with_lora_adapters(make_llm, model_path, monkeypat
 
 
 def test_stack_equals_modules_in_speculative_steps(make_llm, monkeypatch, stack_calls):
-    llm = make_llm(dtype="bfloat16", enable_prefix_caching=False,
+    llm = make_llm(dtype=COMPUTE_DTYPE, enable_prefix_caching=False,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     calls = stack_calls
     prompt = "<|im_start|>user\nRepeat after me: one two three one two three one two three" \
