@@ -25,10 +25,40 @@ import httpx
 REPO_ROOT = Path(__file__).parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+_FIRST_TEST_PORT = 20_000
+_PORTS_PER_WORKER = 2_000
+_next_port: int | None = None
+
+
+def free_port(count: int = 1) -> int:
+    """A port P with P .. P + count - 1 free on 127.0.0.1, for a server a test starts.
+
+    Taken from this pytest-xdist worker's own range below Linux's ephemeral ports (32768 on):
+    a port from bind(0) could be handed to the other worker too while our server still loads
+    (it binds only when ready), and a loopback client's source port could take it meanwhile.
+    Calls walk the range, so a port is not handed out twice until it wraps; each is checked by
+    binding it (without SO_REUSEADDR, so a port in TIME_WAIT counts as taken)."""
+    global _next_port
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # "gw0", "gw1", ...
+    first = _FIRST_TEST_PORT + int(worker.removeprefix("gw")) * _PORTS_PER_WORKER
+    if _next_port is None:  # another session beside this one most likely starts elsewhere
+        _next_port = os.getpid() % _PORTS_PER_WORKER
+    for _ in range(_PORTS_PER_WORKER):
+        offset, _next_port = _next_port, (_next_port + count) % _PORTS_PER_WORKER
+        if offset + count > _PORTS_PER_WORKER:
+            continue
+        if all(_bindable(first + offset + i) for i in range(count)):
+            return first + offset
+    raise RuntimeError(f"no {count} consecutive free ports in {first}..{first + _PORTS_PER_WORKER}")
+
+
+def _bindable(port: int) -> bool:
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
 
 
 def pagedserve_command(*args: str) -> list[str]:

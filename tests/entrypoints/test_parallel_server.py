@@ -156,21 +156,8 @@ def watch_health(base_url: str, process: subprocess.Popen, statuses: list) -> No
         time.sleep(0.02)
 
 
-def free_port_pair() -> int:
-    """P with P and P + 1 free (the rendezvous and the workers' control port)."""
-    for _ in range(50):
-        port = free_port()
-        if port < 65534:
-            try:
-                with __import__("socket").create_server(("127.0.0.1", port + 1)):
-                    return port
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 def test_pp2_over_two_nodes_on_loopback(tmp_path, single_process_answers):
-    port, master_port = free_port(), free_port_pair()
+    port, master_port = free_port(), free_port(2)  # the rendezvous and the workers' control port
     base_url = f"http://127.0.0.1:{port}"
     multi_node = ["-pp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
                   "--master-port", str(master_port)]

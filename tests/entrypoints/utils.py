@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tests.processes import free_port
+
+__all__ = ["free_port"]  # re-exported: the entrypoint tests import it from here
+
 API_KEY = "test-key"
 MODEL_NAME = "smollm2-135m"
 MAX_MODEL_LEN = 2048
 MAX_BODY_BYTES = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -8,7 +8,6 @@ it in the tests) so the process is killed even when a test fails.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,11 +17,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.processes import free_port
 
 
 class RedisServer:
