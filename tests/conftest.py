@@ -10,6 +10,7 @@ import os
 import pytest
 
 from pagedserve.distributed.cpu_binding import bind_to_cpus, cpu_share, usable_cpus
+from tests.processes import xdist_worker
 from tests.shared_engines import shared_weights_llm
 
 # Engine imports live inside the fixtures: tests/core must run without importing torch.
@@ -20,11 +21,10 @@ def _pin_xdist_worker() -> None:
     own share of the CPUs before torch is imported. Its torch threads, and the servers and ranks
     it starts (they inherit the affinity and size their thread pools by it), then leave the other
     workers' cores alone: OpenMP threads that share a core wait on each other's time slices."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+    worker = xdist_worker()
     if worker is None:
         return
-    index, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    cpus = cpu_share(usable_cpus(), index, count)
+    cpus = cpu_share(usable_cpus(), *worker)
     bind_to_cpus(cpus)
     os.environ["OMP_NUM_THREADS"] = str(len(cpus))
 

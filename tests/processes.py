@@ -25,6 +25,14 @@ import httpx
 REPO_ROOT = Path(__file__).parents[1]
 
 
+def xdist_worker() -> tuple[int, int] | None:
+    """(this pytest-xdist worker's index, the number of workers), or None outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+    if worker is None:
+        return None
+    return int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+
+
 _FIRST_TEST_PORT = 20_000
 _PORTS_PER_WORKER = 2_000
 _next_port: int | None = None
@@ -39,8 +47,8 @@ def free_port(count: int = 1) -> int:
     Calls walk the range, so a port is not handed out twice until it wraps; each is checked by
     binding it (without SO_REUSEADDR, so a port in TIME_WAIT counts as taken)."""
     global _next_port
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # "gw0", "gw1", ...
-    first = _FIRST_TEST_PORT + int(worker.removeprefix("gw")) * _PORTS_PER_WORKER
+    worker_index = (xdist_worker() or (0, 1))[0]
+    first = _FIRST_TEST_PORT + worker_index * _PORTS_PER_WORKER
     if _next_port is None:  # another session beside this one most likely starts elsewhere
         _next_port = os.getpid() % _PORTS_PER_WORKER
     for _ in range(_PORTS_PER_WORKER):

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.utils import MODEL_NAME, free_port
+from tests.entrypoints.utils import MODEL_NAME
+from tests.processes import free_port
 
 pytestmark = pytest.mark.slow
 

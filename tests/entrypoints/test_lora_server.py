@@ -12,9 +12,9 @@ import os
 import httpx
 import pytest
 
-from tests.entrypoints.utils import API_KEY, free_port, serving
+from tests.entrypoints.utils import API_KEY, serving
 from tests.lora.helpers import write_random_adapter
-from tests.processes import ServedProcess
+from tests.processes import ServedProcess, free_port
 
 MODEL_NAME = "smollm2"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}

@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.utils import MODEL_NAME, free_port
-from tests.processes import child_pids
+from tests.entrypoints.utils import MODEL_NAME
+from tests.processes import child_pids, free_port
 
 pytestmark = pytest.mark.slow
 

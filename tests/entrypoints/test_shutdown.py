@@ -19,7 +19,8 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.utils import MODEL_NAME, free_port
+from tests.entrypoints.utils import MODEL_NAME
+from tests.processes import free_port
 
 SHUTDOWN_TIMEOUT_S = 3
 SHORT_TOKENS = 16

@@ -15,7 +15,8 @@ import subprocess
 import httpx
 import pytest
 
-from tests.entrypoints.utils import API_KEY, MODEL_NAME, free_port, uvicorn_thread
+from tests.entrypoints.utils import API_KEY, MODEL_NAME, uvicorn_thread
+from tests.processes import free_port
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CONVERSATION = [{"role": "user", "content": "What is the capital of France?"},

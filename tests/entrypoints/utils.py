@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 from tests.processes import free_port
 
-__all__ = ["free_port"]  # re-exported: the entrypoint tests import it from here
-
 API_KEY = "test-key"
 MODEL_NAME = "smollm2-135m"
 MAX_MODEL_LEN = 2048
