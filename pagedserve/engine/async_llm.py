@@ -144,6 +144,10 @@ class AsyncLLM:
                 output_kind=OutputKind.DELTA, lora_request=lora_request,
             )
             self._consumers[request_id] = (loop, outputs)
+            # Counted now, not at the stats refresh after the next step: that step hands the
+            # first token out before the refresh, and a drain that starts in between (a
+            # SIGTERM on seeing the token) would find nothing unfinished and stop at once.
+            self._num_unfinished += 1
 
         finished = False
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -89,3 +90,32 @@ def test_shutdown_drains_then_aborts(async_llm):
     assert short_final.outputs[0].finish_reason == "length" and len(short_ids) == 12
     assert long_final.outputs[0].finish_reason == "abort" and 0 < len(long_ids) < 2000
     async_llm.engine.assert_idle()
+
+
+def test_a_streaming_request_counts_as_unfinished(async_llm, monkeypatch):
+    """The drain waits while num_unfinished_requests() > 0. The engine thread hands a step's
+    tokens out before it refreshes its stats, so a caller that has its first token (and a
+    SIGTERM sent right then) must find the request counted already. Held here: the refresh
+    waits until the caller has looked."""
+    looked = threading.Event()
+    refresh_stats = async_llm.engine.get_stats
+
+    def refresh_after_the_caller_looked():
+        if async_llm.engine.has_unfinished_requests():
+            looked.wait(timeout=60)
+        return refresh_stats()
+
+    monkeypatch.setattr(async_llm.engine, "get_stats", refresh_after_the_caller_looked)
+    long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def main():
+        stream = async_llm.generate("Write a very long essay.", long)
+        async for _ in stream:
+            counted = async_llm.num_unfinished_requests()
+            looked.set()
+            break
+        await stream.aclose()
+        return counted
+
+    assert asyncio.run(main()) == 1
+    async_llm.check_idle()
