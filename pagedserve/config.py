@@ -206,6 +206,9 @@ class SchedulerConfig:
 
 
 QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
+ACTIVATION_QUANTIZATION_MODES = ("auto", "none", "int16", "int8")
+"""How matmuls on GGUF codes (the compiled CPU kernels) take their activations; see
+layers/quantized.py `activation_bits_for`."""
 
 
 @dataclass(frozen=True)
@@ -219,12 +222,17 @@ class DeviceConfig:
     seed: int = 0
     """Seed for the engine's unseeded sampling stream."""
     quantization: str = "auto"
-    """"auto": also keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0/Q5_0 weights packed for the int4 CPU kernel,
-    used for matmuls of at most a few rows in bfloat16, and in float32 instead of the dense
-    weights, multiplied exactly (on the CPU only; see layers/linear.py); MoE experts run on
+    """"auto": keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0/Q5_0 weights in their codes for the CPU
+    kernels, instead of dense weights (on the CPU only; activation_quantization says how they
+    meet the activations; see layers/linear.py); MoE experts run on
     their codes alone in both (layers/moe.py); "none": dequantize
     everything and run dense; "int4" / "int8": quantize every linear weight
     (and a tied head) on load, per 32-element group, and run packed only (bf16 on the CPU)."""
+    activation_quantization: str = "auto"
+    """Matmuls on GGUF codes by the compiled CPU kernels: "auto" int16 activations per
+    32-element group in the layers and int8 in a tied head (exact where this build has no
+    vectorized integer kernel); "none" exact (fp32: the dense model's weights and fp32 sums);
+    "int16" / "int8" everywhere. See layers/quantized.py."""
     cpu_kernels: bool = True
     """Use the compiled CPU kernels (csrc/cpu_ops.cpp) where they apply; False: the plain torch
     path everywhere (the reference). Decided once per model (kernels/cpu_ops.py KernelConfig)."""
@@ -249,6 +257,11 @@ class DeviceConfig:
                 set(self.cuda_graph_sizes)):
             raise ValueError("cuda_graph_sizes must be distinct positive token counts, ascending; "
                              f"got {self.cuda_graph_sizes}")
+        if self.activation_quantization not in ACTIVATION_QUANTIZATION_MODES:
+            raise ValueError(
+                "activation_quantization must be one of "
+                f"{', '.join(ACTIVATION_QUANTIZATION_MODES)}, got {self.activation_quantization!r}"
+            )
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
@@ -257,8 +270,7 @@ class DeviceConfig:
 
     @property
     def keeps_weights_packed(self) -> bool:
-        """GGUF codes are loaded as they are (auto) and packed: beside the dense weights in bf16,
-        instead of them in fp32 (exact there; see layers/linear.py)."""
+        """GGUF codes are loaded as they are (auto) and packed (see layers/linear.py)."""
         return (self.quantization == "auto" and self.device == "cpu"
                 and self.dtype in ("bfloat16", "float32"))
 

@@ -6,18 +6,19 @@ from __future__ import annotations
 _MODELS: dict[str, object] = {}
 
 
-def _shared_model(model_path: str, dtype: str, keep_packed: bool, quantize: str | None = None):
-    key = f"{dtype}-{quantize or ('packed' if keep_packed else 'dense')}"
+def _shared_model(model_path: str, dtype: str, keep_packed: bool, quantize: str | None = None,
+                  activation_quantization: str = "auto"):
+    key = f"{dtype}-{quantize or ('packed' if keep_packed else 'dense')}-{activation_quantization}"
     if key not in _MODELS:
         import torch
 
-        from pagedserve.models.loader import load_model_config
-        from pagedserve.models.loader import load_model
+        from pagedserve.kernels.cpu_ops import KernelConfig
+        from pagedserve.models.loader import load_model, load_model_config
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         _MODELS[key] = load_model(
             model_path, load_model_config(model_path), torch_dtype, torch.device("cpu"),
-            keep_packed, quantize,
+            keep_packed, quantize, KernelConfig(activation_quantization=activation_quantization),
         )
     return _MODELS[key]
 
@@ -35,6 +36,7 @@ def shared_weights_llm(model_path: str, loaded_tokenizer, /, **overrides):
     config = EngineArgs(model=model_path, **overrides).create_engine_config()
     device = config.device
     model = _shared_model(
-        model_path, device.dtype, device.keeps_weights_packed, device.quantize_on_load
+        model_path, device.dtype, device.keeps_weights_packed, device.quantize_on_load,
+        device.activation_quantization,
     )
     return LLM.from_engine(LLMEngine(config, tokenizer=loaded_tokenizer, model=model))

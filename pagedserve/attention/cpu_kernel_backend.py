@@ -1,6 +1,7 @@
 """Paged attention by the compiled CPU kernels (csrc/cpu_ops.cpp): `CpuKernelAttentionBackend`.
 
-The kernels read the cache in place: decodes and short steps through `paged_attention`, bf16
+The kernels read the cache in place: decodes and short chunks (a sequence's at most
+KERNEL_MAX_TOKENS queries of a step) through `paged_attention`, bf16
 prefill chunks through the flash-style `prefill_attention` (2-3x the torch paths). Where a step's
 shape is not theirs the torch functions of attention/paged.py run, exactly as that backend would:
 queries whose heads are not dense, fp32 prefill chunks longer than KERNEL_MAX_TOKENS, prefill
@@ -30,9 +31,9 @@ from pagedserve.attention.paged import (
 )
 
 KERNEL_MAX_TOKENS = 32
-"""Steps of at most this many query tokens (decodes and short chunks, e.g. speculative
-verification) go wholly to the compiled kernel; it reads each key once per token, so long
-prefill chunks stay on the flash kernel or the blocked matmuls. Decodes always go to the kernel."""
+"""Sequences with at most this many query tokens in a step (decodes and short chunks, e.g.
+speculative verification) go to the compiled kernel; it reads each key once per token, so longer
+prefill chunks stay on the flash kernel or the blocked matmuls."""
 
 
 class CpuKernelAttentionBackend(AttentionBackend):
@@ -63,15 +64,27 @@ class CpuKernelAttentionBackend(AttentionBackend):
         if window_cuts or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             # the kernels know no windows and want dense heads
             return self._torch.forward(q, kv_cache, meta, scale, sliding_window)
-        num_decodes = meta.num_decodes
-        if num_decodes == meta.num_reqs or q.shape[0] <= KERNEL_MAX_TOKENS:
+        if q.shape[0] <= KERNEL_MAX_TOKENS:
+            return self._paged_attention(q, kv_cache, meta, scale)
+        # Each sequence goes to the kernel its own query count picks, whatever else the step
+        # holds: the short-step kernel and the prefill paths sum in different orders, and a
+        # sequence must get the same bits alone as batched (batch invariance: feature-on-vs-off
+        # equality, and activations quantized downstream, rest on it).
+        short_tokens, long_requests = self._split_by_query_count(meta)
+        if not long_requests:
             return self._paged_attention(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
-        if num_decodes:
-            out[:num_decodes] = self._paged_attention(q[:num_decodes], kv_cache, meta, scale)
+        if short_tokens.numel():
+            rows, lens = token_rows_and_lens(meta)
+            key_cache, value_cache, *scales = kv_cache
+            out.index_copy_(0, short_tokens, self.kernels.paged_attention(
+                q.index_select(0, short_tokens), key_cache, value_cache, meta.block_table,
+                rows.index_select(0, short_tokens), lens.index_select(0, short_tokens), scale,
+                *scales,
+            ))
         flash = self._flash_serves(q)
         key_cache, value_cache, *scales = kv_cache
-        for i in range(num_decodes, meta.num_reqs):
+        for i in long_requests:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             if flash:
                 out[start:end] = self.kernels.prefill_attention(
@@ -81,6 +94,24 @@ class CpuKernelAttentionBackend(AttentionBackend):
             else:
                 out[start:end] = gathered_prefill_attention(q[start:end], kv_cache, meta, i, scale)
         return out
+
+    @staticmethod
+    def _split_by_query_count(meta: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
+        """The step's query tokens of sequences with at most KERNEL_MAX_TOKENS of them (decodes,
+        short chunks, speculative verification), and the other sequences' indices; once per
+        step (every layer asks)."""
+        cached = meta.backend_state.get("split_by_query_count")
+        if cached is None:
+            short, long_requests = [], []
+            for i in range(meta.num_reqs):
+                start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
+                if end - start <= KERNEL_MAX_TOKENS:
+                    short.extend(range(start, end))
+                else:
+                    long_requests.append(i)
+            cached = torch.tensor(short, dtype=torch.long), long_requests
+            meta.backend_state["split_by_query_count"] = cached
+        return cached
 
     def _paged_attention(
         self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,

@@ -32,11 +32,16 @@
 #define PAGEDSERVE_VNNI 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// CPUs without AVX-512 (AMD EPYC Zen 2 and 3, older Xeons): the fp32 path's exact matmul and
-// RMSNorm in 8-wide registers; the other kernels run their portable loops, vectorized by the
+// CPUs without AVX-512 (AMD EPYC Zen 2 and 3, older Xeons): the exact matmul, the integer one
+// and RMSNorm in 8-wide registers; the other kernels run their portable loops, vectorized by the
 // compiler.
 #include <immintrin.h>
 #define PAGEDSERVE_AVX2 1
+#endif
+#if !defined(PAGEDSERVE_VNNI) && defined(__AVX2__) && defined(__F16C__)
+// The integer matmul without VNNI: AVX2's forms of its dot products (also on AVX-512 CPUs that
+// lack VNNI, such as Skylake-SP, whose builds include AVX2).
+#define PAGEDSERVE_AVX2_INTEGER 1
 #endif
 
 namespace {
@@ -136,6 +141,15 @@ inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+// KV cache codes, exactly, as load16 reads them.
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const c10::Float8_e4m3fn* p) {  // load16's fp16 placement, 8 wide
+  const __m128i words = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i half_bits = _mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16(-0x4080));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half_bits), _mm256_set1_ps(256.f));
+}
 inline __m256i bf16_bits8(__m256 v) {  // round to nearest even, as c10::BFloat16 converts
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -150,6 +164,31 @@ inline void store8(c10::BFloat16* p, __m256 v) {
   const __m256i words = _mm256_packus_epi32(bf16_bits8(v), _mm256_setzero_si256());  // per lane
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm256_castsi256_si128(_mm256_permute4x64_epi64(words, 0x08)));
+}
+// exp(x) as exp512 computes it (degree-6 Taylor polynomial of r, times 2^n), 8 wide; 2^n is
+// built in the exponent bits (x >= -87 keeps n >= -126, a normal float). For x <= 88.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i exponent = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+// Lane i = the sum of v[i]'s 8 lanes (two rounds of pairwise adds, then the halves).
+inline __m256 sum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 // The sum of 8 floats in the order torch's AVX2 reductions take (halves, then pairs, then
 // neighbours), so that a norm's statistics are torch's bit for bit.
@@ -185,11 +224,12 @@ struct QuantizedRows {
   std::vector<Q> q;          // [rows, K]
   std::vector<float> scale;  // [rows, G]: dx
   std::vector<float> sum;    // [rows, G]: xsum (see above)
+  std::vector<int32_t> qsum;  // [rows, G]: sum(xq), for the AVX2 form of 8-bit weights
 };
 
 template <typename Q>
 inline void quantize_row(const float* x, int64_t k, bool sum_of_quantized, Q* q, float* scale,
-                         float* sum) {
+                         float* sum, int32_t* qsums) {
   constexpr int32_t kMax = std::is_same_v<Q, int8_t> ? 127 : 32767;
   for (int64_t g = 0; g < k / kGroup; ++g) {
     const float* xg = x + g * kGroup;
@@ -207,6 +247,7 @@ inline void quantize_row(const float* x, int64_t k, bool sum_of_quantized, Q* q,
     }
     scale[g] = d;
     sum[g] = sum_of_quantized ? d * static_cast<float>(qsum) : total;
+    qsums[g] = qsum;
   }
 }
 
@@ -214,13 +255,14 @@ template <typename Q, typename T>
 QuantizedRows<Q> quantize_rows(const T* x, int64_t rows, int64_t k, bool sum_of_quantized) {
   const int64_t groups = k / kGroup;
   QuantizedRows<Q> out{std::vector<Q>(rows * k), std::vector<float>(rows * groups),
-                       std::vector<float>(rows * groups)};
+                       std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(k);
     for (int64_t r = begin; r < end; ++r) {
       widen_row(x + r * k, row.data(), k);
       quantize_row(row.data(), k, sum_of_quantized, out.q.data() + r * k,
-                   out.scale.data() + r * groups, out.sum.data() + r * groups);
+                   out.scale.data() + r * groups, out.sum.data() + r * groups,
+                   out.qsum.data() + r * groups);
     }
   });
   return out;
@@ -286,11 +328,79 @@ inline __m512i group_dot(const __m512i* w, const Q* xg) {
 }
 #endif
 
+#if defined(PAGEDSERVE_AVX2_INTEGER)
+// The same integer sums without VNNI (AVX2: vpmaddubsw, u8 x s8 -> pairs summed into saturating
+// int16, and vpmaddwd, int16 x int16 -> pairs summed into int32), 8 columns of a block at a
+// time. No sum saturates, so they equal the VNNI ones exactly:
+// - int8 x 4-bit codes: a pair is at most 2 * 15 * 127 = 3810 and all 16 of a group's pairs
+//   sum to at most 30480 < 32767, so they are added in int16 and widened once;
+// - int8 x 8-bit codes (0..255 would saturate a pair): llama.cpp's sign trick on q = code - 128,
+//   |q| * (x * sign q) pairs are at most 2 * 128 * 127 = 32512; widened per chunk, and
+//   sum(code * x) = sum(q * x) + 128 * sum(x) restores the stored codes' sum;
+// - int16: codes zero-extended to words; a group's sum is at most 32 * 255 * 32767 < 2^31.
+
+// quads[j] (j = 0..7): elements 4j..4j+3 of the 8 columns (one 32-bit lane each), as bytes.
+// cg: the group's codes, offset to the half's 32 bytes of each 64-byte chunk.
+template <int kBits>
+inline void unpack_group_avx2(const uint8_t* cg, __m256i* quads) {
+  if constexpr (kBits == 4) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + i * 64));
+      quads[i] = _mm256_and_si256(raw, nibble);
+      quads[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j)
+      quads[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + j * 64));
+  }
+}
+
+template <int kBits, typename Q>
+inline __m256i group_dot_avx2(const __m256i* quads, const Q* xg, int32_t qsum) {
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(xg);  // 4 int8 or 2 int16 per lane
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  if constexpr (std::is_same_v<Q, int8_t>) {
+    if constexpr (kBits == 4) {
+      __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int j = 0; j < 8; ++j)
+        pairs[j % 2] = _mm256_add_epi16(
+            pairs[j % 2], _mm256_maddubs_epi16(quads[j], _mm256_set1_epi32(x32[j])));
+      return _mm256_madd_epi16(_mm256_add_epi16(pairs[0], pairs[1]), ones16);
+    } else {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int j = 0; j < 8; ++j) {
+        const __m256i q = _mm256_xor_si256(quads[j], flip);  // code - 128 as int8
+        const __m256i pair = _mm256_maddubs_epi16(
+            _mm256_abs_epi8(q), _mm256_sign_epi8(_mm256_set1_epi32(x32[j]), q));
+        dot[j % 2] = _mm256_add_epi32(dot[j % 2], _mm256_madd_epi16(pair, ones16));
+      }
+      return _mm256_add_epi32(_mm256_add_epi32(dot[0], dot[1]), _mm256_set1_epi32(128 * qsum));
+    }
+  } else {
+    // bytes 0,1 (then 2,3) of each 32-bit lane -> two zero-extended words (per 128-bit half)
+    const __m256i first = _mm256_setr_epi32(0x80018000, 0x80058004, 0x80098008, 0x800D800C,
+                                            0x80018000, 0x80058004, 0x80098008, 0x800D800C);
+    const __m256i second = _mm256_setr_epi32(0x80038002, 0x80078006, 0x800B800A, 0x800F800E,
+                                             0x80038002, 0x80078006, 0x800B800A, 0x800F800E);
+    __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int j = 0; j < 8; ++j) {
+      dot[0] = _mm256_add_epi32(dot[0], _mm256_madd_epi16(_mm256_shuffle_epi8(quads[j], first),
+                                                          _mm256_set1_epi32(x32[2 * j])));
+      dot[1] = _mm256_add_epi32(dot[1], _mm256_madd_epi16(_mm256_shuffle_epi8(quads[j], second),
+                                                          _mm256_set1_epi32(x32[2 * j + 1])));
+    }
+    return _mm256_add_epi32(dot[0], dot[1]);
+  }
+}
+#endif
+
 // Scales and mins are fp32, or fp16 where every value is exact in fp16 (Q4_0, Q4_1 and Q8_0
 // store fp16 themselves): a sixth fewer bytes to stream per weight.
 inline float scale_at(const float* p, int64_t i) { return p[i]; }
 inline float scale_at(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-#ifdef PAGEDSERVE_AVX2
+#if defined(PAGEDSERVE_AVX2) || defined(PAGEDSERVE_AVX2_INTEGER)
 inline __m256 load8_scales(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8_scales(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -309,7 +419,7 @@ constexpr int64_t kPrefetchGroups = 8;
 template <int kBits, typename Q, int kRows, typename S>
 inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
                        int64_t groups, const Q* xq, const float* dx, const float* xsum,
-                       int64_t k, float* out /* [kRows][16] */) {
+                       const int32_t* qsum, int64_t k, float* out /* [kRows][16] */) {
   constexpr int kChunks = kBits == 4 ? 4 : 8;
 #ifdef PAGEDSERVE_VNNI
   __m512 acc[kRows];
@@ -330,6 +440,32 @@ inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
     }
   }
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(out + r * 16, acc[r]);
+#elif defined(PAGEDSERVE_AVX2_INTEGER)
+  // The block as two halves of 8 columns (a 256-bit register holds 8 lanes), each over all the
+  // groups: one half's codes come from L1 the second time.
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[kRows];
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      if (h == 0) {
+        const char* ahead =
+            reinterpret_cast<const char*>(codes + (g + kPrefetchGroups) * kChunks * 64);
+        for (int line = 0; line < kChunks; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+      }
+      __m256i quads[8];
+      unpack_group_avx2<kBits>(codes + g * kChunks * 64 + 32 * h, quads);
+      const __m256 scale = load8_scales(scales + g * 16 + 8 * h);
+      const __m256 minimum = load8_scales(mins + g * 16 + 8 * h);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256i dot =
+            group_dot_avx2<kBits, Q>(quads, xq + r * k + g * kGroup, qsum[r * groups + g]);
+        const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * groups + g]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r]);
+        acc[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(xsum[r * groups + g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(out + r * 16 + 8 * h, acc[r]);
+  }
 #else
   for (int r = 0; r < kRows; ++r)
     for (int col = 0; col < 16; ++col) out[r * 16 + col] = 0.f;
@@ -351,10 +487,11 @@ inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
 
 template <int kBits, typename Q, typename S>
 void vnni_rows(int rows, const uint8_t* codes, const S* scales, const S* mins,
-               int64_t groups, const Q* xq, const float* dx, const float* xsum, int64_t k,
-               float* out) {
+               int64_t groups, const Q* xq, const float* dx, const float* xsum,
+               const int32_t* qsum, int64_t k, float* out) {
 #define PAGEDSERVE_ROWS_CASE(R) \
-  case R: return vnni_block<kBits, Q, R, S>(codes, scales, mins, groups, xq, dx, xsum, k, out);
+  case R:                       \
+    return vnni_block<kBits, Q, R, S>(codes, scales, mins, groups, xq, dx, xsum, qsum, k, out);
   switch (rows) {
     PAGEDSERVE_ROWS_CASE(8)
     PAGEDSERVE_ROWS_CASE(7)
@@ -363,7 +500,8 @@ void vnni_rows(int rows, const uint8_t* codes, const S* scales, const S* mins,
     PAGEDSERVE_ROWS_CASE(4)
     PAGEDSERVE_ROWS_CASE(3)
     PAGEDSERVE_ROWS_CASE(2)
-    default: return vnni_block<kBits, Q, 1, S>(codes, scales, mins, groups, xq, dx, xsum, k, out);
+    default:
+      return vnni_block<kBits, Q, 1, S>(codes, scales, mins, groups, xq, dx, xsum, qsum, k, out);
   }
 #undef PAGEDSERVE_ROWS_CASE
 }
@@ -398,7 +536,8 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
           const int tile_rows = static_cast<int>(std::min(kRowTile, chunk_end - r));
           vnni_rows<kBits, Q, S>(tile_rows, codes + b * block_code_bytes, scales + b * groups * 16,
                               mins + b * groups * 16, groups, xr.q.data() + r * k,
-                              xr.scale.data() + r * groups, xr.sum.data() + r * groups, k, tile);
+                              xr.scale.data() + r * groups, xr.sum.data() + r * groups,
+                              xr.qsum.data() + r * groups, k, tile);
           for (int i = 0; i < tile_rows; ++i) {
             if (bias) {
               for (int64_t col = 0; col < cols; ++col) tile[i * 16 + col] += to_float(bias[col0 + col]);
@@ -753,6 +892,16 @@ void exact_linear_dispatch(const float* x, int64_t rows, int64_t k, int64_t bits
   } else {
     run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
   }
+}
+
+// Whether activation_bits 16 and 8 run vectorized here (VNNI, or AVX2's dot products); the scalar
+// fallback is correct but slower than the exact path.
+bool integer_linear_vectorized() {
+#if defined(PAGEDSERVE_VNNI) || defined(PAGEDSERVE_AVX2_INTEGER)
+  return true;
+#else
+  return false;
+#endif
 }
 
 // Whether activation_bits = 32 runs vectorized here; the scalar fallback is correct but slower
@@ -1288,6 +1437,19 @@ void weighted_sum(const T* const* rows, const float* w, int64_t len, int64_t d, 
 #ifdef PAGEDSERVE_AVX512
   if (d == 64) return weighted_rows<4>(rows, w, len, out);
   if (d == 128) return weighted_rows<8>(rows, w, len, out);
+#elif defined(PAGEDSERVE_AVX2)
+  if (d % 64 == 0) {  // 64 columns at a time: 8 accumulators, independent FMA chains
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t p = 0; p < len; ++p) {
+        const __m256 wp = _mm256_set1_ps(w[p]);
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(wp, load8(rows[p] + c0 + 8 * c), acc[c]);
+      }
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + c0 + 8 * c, acc[c]);
+    }
+    return;
+  }
 #endif
   std::fill(out, out + d, 0.f);
   for (int64_t p = 0; p < len; ++p) {
@@ -1309,6 +1471,24 @@ void attention_scores(const T* q, const T* const* krows, int64_t len, int64_t d,
       }
       _mm512_mask_storeu_ps(s + p0, static_cast<__mmask16>((1u << count) - 1),
                             _mm512_mul_ps(sum16(partial), scale_v));
+    }
+    return;
+  }
+#elif defined(PAGEDSERVE_AVX2)
+  if (d % 8 == 0) {  // 8 keys at a time, their 8-wide partial sums reduced together
+    const __m256 scale_v = _mm256_set1_ps(scale);
+    for (int64_t p0 = 0; p0 < len; p0 += 8) {
+      const int64_t count = std::min<int64_t>(8, len - p0);
+      __m256 partial[8];
+      for (int i = 0; i < 8; ++i) {
+        partial[i] = _mm256_setzero_ps();
+        if (i >= count) continue;
+        for (int64_t j = 0; j < d; j += 8)
+          partial[i] = _mm256_fmadd_ps(load8(q + j), load8(krows[p0 + i] + j), partial[i]);
+      }
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, _mm256_mul_ps(sum8(partial), scale_v));
+      std::copy(sums, sums + count, s + p0);
     }
     return;
   }
@@ -1343,6 +1523,23 @@ void attention_scores_codes(const float* q, const C* const* krows, const float* 
     }
     return;
   }
+#elif defined(PAGEDSERVE_AVX2)
+  if (d % 8 == 0) {
+    for (int64_t p0 = 0; p0 < len; p0 += 8) {
+      const int64_t count = std::min<int64_t>(8, len - p0);
+      __m256 partial[8];
+      for (int i = 0; i < 8; ++i) {
+        partial[i] = _mm256_setzero_ps();
+        if (i >= count) continue;
+        for (int64_t j = 0; j < d; j += 8)
+          partial[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(krows[p0 + i] + j), partial[i]);
+      }
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, sum8(partial));
+      for (int64_t i = 0; i < count; ++i) s[p0 + i] = sums[i] * key_scales[p0 + i];
+    }
+    return;
+  }
 #endif
   for (int64_t p = 0; p < len; ++p) {
     float dot = 0.f;
@@ -1364,6 +1561,15 @@ inline float exp_inplace(float* s, int64_t len, float mx) {
     total_v = _mm512_add_ps(total_v, e);
   }
   total = _mm512_reduce_add_ps(total_v);
+#elif defined(PAGEDSERVE_AVX2)
+  const __m256 mx_v = _mm256_set1_ps(mx);
+  __m256 total_v = _mm256_setzero_ps();
+  for (; p + 8 <= len; p += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + p), mx_v));
+    _mm256_storeu_ps(s + p, e);
+    total_v = _mm256_add_ps(total_v, e);
+  }
+  total = reduce_add8(total_v);
 #endif
   for (; p < len; ++p) total += (s[p] = std::exp(s[p] - mx));
   return total;
@@ -2058,6 +2264,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("exact_linear_vectorized", &exact_linear_vectorized,
         "whether quant_linear's fp32 path (activation_bits 32) is vectorized in this build");
+  m.def("integer_linear_vectorized", &integer_linear_vectorized,
+        "whether quant_linear's integer paths (activation_bits 16, 8) are vectorized in this build");
   m.def("pack_codes", &pack_codes, "GGUF codes (N, K), one per byte -> quant_linear's layout");
   m.def("dequantize_codes", &dequantize_codes,
         "quant_linear's layout -> dense (N, K) rows, written into out",

@@ -17,6 +17,7 @@ from pagedserve.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    ACTIVATION_QUANTIZATION_MODES,
     KVTransferConfig,
     LoRAConfig,
     ModelConfig,
@@ -194,6 +195,10 @@ class EngineArgs:
     """auto: also keep GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_0 weights packed, for the int4 kernel on matmuls
     of few rows (bf16 on the CPU only); none: dequantize every weight to the compute dtype;
     int4 / int8: quantize every linear weight on load and run packed only (bf16 on the CPU)."""
+    activation_quantization: str = "auto"
+    """Matmuls on GGUF codes (CPU kernels): auto: int16 activations per 32-element group in the
+    layers, int8 in a tied head; none: exact (fp32: the dense model's weights, fp32 sums);
+    int16 / int8: everywhere."""
     speculative_config: dict | str | None = None
     """Speculative decoding, vLLM's keys, as a dict or JSON: e.g. {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1};
@@ -313,6 +318,7 @@ class EngineArgs:
                 device=self.device, dtype=resolve_dtype(self.dtype, self.device),
                 num_threads=self.num_threads, seed=self.seed,
                 quantization=QUANTIZATION_ALIASES.get(self.quantization, self.quantization),
+                activation_quantization=self.activation_quantization,
                 cpu_kernels=self.cpu_kernels,
                 fused_decoder_layers=self.fused_decoder_layers,
                 gpu_kernels=self.gpu_kernels,
@@ -378,6 +384,8 @@ class EngineArgs:
             if f.name == "quantization":
                 parser.add_argument(flag, "-q", default=f.default,
                                     choices=QUANTIZATION_MODES + tuple(QUANTIZATION_ALIASES))
+            elif f.name == "activation_quantization":
+                parser.add_argument(flag, default=f.default, choices=ACTIVATION_QUANTIZATION_MODES)
             elif f.name in _SHORT_FLAGS:
                 parser.add_argument(flag, _SHORT_FLAGS[f.name], type=int, default=f.default)
             elif f.name == "cpu_binding":

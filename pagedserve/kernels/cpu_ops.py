@@ -46,6 +46,9 @@ class KernelConfig:
     gpu_kernels: bool = True
     """On cuda, the Triton kernels where they apply (attention); False: torch's ops (the
     reference the kernels are tested against)."""
+    activation_quantization: str = "auto"
+    """How GGUF-coded matmuls on the compiled kernels meet their activations
+    (layers/quantized.py ACTIVATION_QUANTIZATION_MODES): "auto", "none" (exact), "int16", "int8"."""
 
 
 _building_with: ContextVar[KernelConfig] = ContextVar("kernel_config", default=KernelConfig())

@@ -31,9 +31,12 @@ serves the codes) does a layer keep its dense bf16 weight beside them, for input
 TORCH_INT4_MAX_ROWS rows.
 
 In fp32 (on the CPU, with the compiled kernels) a layer whose shards all pack keeps only its codes
-and runs every row count on them: the kernel dequantizes each weight exactly (the dense model's
-value, bit for bit) and sums in fp32, so the computation is the dense one up to summation order,
-with a sixth of the bytes to read and no dense copy to build (see GroupQuantizedWeight).
+and runs every row count on them, its activations quantized per 32-element group to int16 by
+default (--activation-quantization, see quantized.py `activation_bits_for`). In the exact mode
+(none) the kernel dequantizes each weight exactly (the dense model's value, bit for bit) and sums
+in fp32, so the computation is the dense one up to summation order, with a sixth of the bytes to
+read and no dense copy to build (see GroupQuantizedWeight). Either way a row's output does not
+depend on the other rows of its batch.
 
 `--quantization int4|int8` instead quantizes every dense weight on load (also a GGUF file's,
 re-quantized from its dequantized values) and keeps only the packed form: less memory, all rows on
@@ -53,7 +56,6 @@ from pagedserve.attention.metadata import get_lora_step
 from pagedserve.distributed.parallel_state import GroupCoordinator, get_tp_group
 from pagedserve.layers.quantized import (
     GROUP_SIZE,
-    HEAD_ACTIVATION_BITS,
     GGUFQuantWeight,
     GroupQuantizedWeight,
     concat_rows,
@@ -308,9 +310,9 @@ class VocabEmbedding(nn.Module):
 
     Loaded from GGUF codes with the compiled kernels (fp32 or bf16), the table is held as those
     codes alone (`packed_table`): lookups dequantize their rows. The tied head multiplies by the
-    codes (this rank's rows): in fp32 exactly for every row count; in bf16 with int8 activations
-    (HEAD_ACTIVATION_BITS) for inputs of at most packed_head_max_rows rows (decode steps), where
-    it is several times faster, and by the dense product above. Without the compiled kernels the
+    codes (this rank's rows), with int8 activations by default (HEAD_ACTIVATION_BITS): in fp32
+    for every row count; in bf16 for inputs of at most packed_head_max_rows rows (decode steps),
+    where it is several times faster, and by the dense product above. Without the compiled kernels the
     dense table is held, and in bf16 the tied head runs torch's int4 kernel on few rows.
     """
 
@@ -377,8 +379,9 @@ class VocabEmbedding(nn.Module):
             _check_shape(codes, self.weight.shape)
         if codes is not None and quantize is None and dtype in (torch.float32, torch.bfloat16):
             if self.serves_as_head:
-                # fp32: None where not vectorized; bf16: int8 activations (HEAD_ACTIVATION_BITS)
-                self.packed_head = packed_weight(codes, dtype, HEAD_ACTIVATION_BITS)
+                # int8 activations by default (HEAD_ACTIVATION_BITS); fp32: None where the exact
+                # mode would not be vectorized
+                self.packed_head = packed_weight(codes, dtype, head=True)
                 self.dense_head_above_max_rows = dtype != torch.float32
                 if isinstance(self.packed_head, GroupQuantizedWeight):
                     self.packed_head_max_rows = HEAD_PACKED_MAX_ROWS

@@ -28,6 +28,7 @@ import gguf
 import numpy as np
 import torch
 
+from pagedserve.config import ACTIVATION_QUANTIZATION_MODES
 from pagedserve.kernels import cpu_ops
 
 GROUP_SIZE = 32
@@ -209,16 +210,39 @@ class Int4PackedWeight(torch.nn.Module):
 
 
 ACTIVATION_BITS = 16
-"""int16 activations by default; 8 trades accuracy for speed (see GroupQuantizedWeight)."""
+"""int16 activations in the layers by default; 8 trades accuracy for speed (see
+GroupQuantizedWeight)."""
 HEAD_ACTIVATION_BITS = 8
-"""A tied output head on its GGUF codes in bf16 takes int8 activations: on SmolLM2-135M it is
+"""A tied output head on its GGUF codes takes int8 activations: on SmolLM2-135M in bf16 it is
 1.6-1.7x the int16 speed at 1 to 32 rows (AMD EPYC Zen 4), and the perplexity on the shipped text
 moved from 19.91 to 19.85 (fp32: 19.82). The decoder layers keep int16: all of them in int8 cost
-+2.4% perplexity (tests/models/test_quantized_model.py bounds both)."""
++2.4% perplexity in bf16, +0.8% in fp32, with greedy outputs far from fp32's
+(tests/models/test_quantized_model.py bounds each mode)."""
 EXACT_ACTIVATION_BITS = 32
-"""The fp32 compute path's mode of the kernel: activations as they are, the weights dequantized
-exactly (the dense model's values, bit for bit) and multiplied in fp32 (see GroupQuantizedWeight).
-"""
+"""The kernel's exact mode: activations as they are, the weights dequantized exactly (the dense
+model's values, bit for bit) and multiplied in fp32 (see GroupQuantizedWeight)."""
+# --activation-quantization (KernelConfig.activation_quantization), for matmuls on GGUF codes by
+# the compiled kernels:
+#   auto   int16 activations in the layers, int8 in a tied head (ACTIVATION_BITS,
+#          HEAD_ACTIVATION_BITS); in fp32 exact instead where this build's integer kernel is not
+#          vectorized
+#   none   exact (EXACT_ACTIVATION_BITS): in fp32 the dense model's computation up to summation
+#          order, the reference the others are measured against
+#   int16 / int8: those bits in every layer and the head.
+
+
+def activation_bits_for(mode: str, dtype: torch.dtype, ops, head: bool = False) -> int:
+    """The activation bits of a layer (or tied head, `head`) built under `mode` for `dtype`."""
+    if mode not in ACTIVATION_QUANTIZATION_MODES:  # config.py's
+        raise ValueError(f"activation quantization must be one of "
+                         f"{', '.join(ACTIVATION_QUANTIZATION_MODES)}, got {mode!r}")
+    if mode == "none":
+        return EXACT_ACTIVATION_BITS
+    if mode != "auto":
+        return int(mode.removeprefix("int"))
+    if dtype == torch.float32 and not ops.integer_linear_vectorized():
+        return EXACT_ACTIVATION_BITS
+    return HEAD_ACTIVATION_BITS if head else ACTIVATION_BITS
 
 
 def vnni_layout(weight: GGUFQuantWeight, ops=None
@@ -270,20 +294,23 @@ class GroupQuantizedWeight(torch.nn.Module):
     as GGUF groups (`scale * code + min`): 4-bit codes take half a byte, Q8_0 codes one byte (no
     split). How the activations meet them depends on the compute dtype:
 
-    - bf16: they are quantized per 32-element group on the fly (int16 by default, within ~1e-5
-      of the exact product; int8 as llama.cpp does, see ACTIVATION_BITS), and VNNI multiplies the
-      two in exact integer sums.
-    - fp32 (EXACT_ACTIVATION_BITS): each weight is dequantized exactly (the dense model's value,
-      bit for bit) and multiplied by the fp32 activations with fp32 sums, in an order fixed per
-      output element, so a row's result does not depend on its batch. The same arithmetic as the
-      dense fp32 matmul but the summation order; ~1/6 of its bytes to read.
+    - int16 / int8 (activation_bits 16 / 8; int16 in the layers by default, see
+      activation_bits_for):
+      they are quantized per 32-element group on the fly (int16 within ~1e-5 of the exact
+      product; int8 as llama.cpp does), and VNNI (or AVX2's dot products) multiplies the two in
+      exact integer sums.
+    - exact (EXACT_ACTIVATION_BITS): each weight is dequantized exactly (the dense model's value,
+      bit for bit) and multiplied by the activations with fp32 sums.
+    Either way each output element's sum runs in an order fixed per element, so a row's result
+    does not depend on its batch. In fp32 the exact mode is the dense matmul's arithmetic but the
+    summation order, ~1/6 of its bytes to read.
     """
 
     holds_packed_weights = True  # observability/memory.py counts its tensors as packed
 
     def __init__(self, weight: GGUFQuantWeight, ops, dtype: torch.dtype = torch.bfloat16,
-                 activation_bits: int = ACTIVATION_BITS) -> None:
-        """activation_bits: 16 or 8, for bf16 (fp32 is always exact)."""
+                 activation_bits: int | None = None) -> None:
+        """activation_bits: 16, 8 or 32 (exact); None: exact in fp32, ACTIVATION_BITS in bf16."""
         super().__init__()
         self._ops = ops
         self.out_features, self.in_features = weight.shape
@@ -292,7 +319,9 @@ class GroupQuantizedWeight(torch.nn.Module):
         self.codes, self.scales, self.mins, self.bits = vnni_layout(weight, ops)
         self.dtype = dtype
         """The compute dtype served (lookups return it)."""
-        self.activation_bits = EXACT_ACTIVATION_BITS if dtype == torch.float32 else activation_bits
+        if activation_bits is None:
+            activation_bits = EXACT_ACTIVATION_BITS if dtype == torch.float32 else ACTIVATION_BITS
+        self.activation_bits = activation_bits
 
     def dequantize_into(self, out: torch.Tensor) -> None:
         """Write the weights as dense rows into out ([N, K] fp32 or bf16, contiguous): the
@@ -325,19 +354,22 @@ class GroupQuantizedWeight(torch.nn.Module):
 
 
 def packed_weight(weight: GGUFQuantWeight, dtype: torch.dtype,
-                  activation_bits: int = ACTIVATION_BITS) -> torch.nn.Module | None:
+                  head: bool = False) -> torch.nn.Module | None:
     """The fastest packed form available for compute `dtype`: the compiled kernel's (unless the
-    KernelConfig of the model being loaded turns them off, kernels/cpu_ops.py), else torch's int4
-    kernel. None for fp32 where the compiled kernel's exact fp32 path is not vectorized (torch's
-    int4 kernel in fp32 is ~30x slower than the dense matmul): the layer stays dense.
-    activation_bits: the compiled kernel's in bf16 (torch's kernel takes bf16 activations)."""
+    KernelConfig of the model being loaded turns them off, kernels/cpu_ops.py), its activations
+    quantized as that KernelConfig's activation_quantization says for a layer or a tied head
+    (`head`), else torch's int4 kernel (bf16 activations). None for fp32 where the compiled kernel
+    would run the exact mode unvectorized (torch's int4 kernel in fp32 is ~30x slower than the
+    dense matmul): the layer stays dense."""
     ops = cpu_ops.for_new_layer()
+    if ops is not None and dtype in (torch.float32, torch.bfloat16):
+        mode = cpu_ops.build_config().activation_quantization
+        bits = activation_bits_for(mode, dtype, ops, head)
+        if bits == EXACT_ACTIVATION_BITS and not ops.exact_linear_vectorized():
+            return None if dtype == torch.float32 else Int4PackedWeight(weight, dtype)
+        return GroupQuantizedWeight(weight, ops, dtype, bits)
     if dtype == torch.float32:
-        if ops is None or not ops.exact_linear_vectorized():
-            return None
-        return GroupQuantizedWeight(weight, ops, dtype)
-    if ops is not None and dtype == torch.bfloat16:
-        return GroupQuantizedWeight(weight, ops, dtype, activation_bits)
+        return None
     return Int4PackedWeight(weight, dtype)
 
 

@@ -165,7 +165,7 @@ class Worker:
     def _kernel_config(self) -> cpu_ops.KernelConfig:
         device = self.config.device
         return cpu_ops.KernelConfig(device.cpu_kernels, device.fused_decoder_layers,
-                                    device.gpu_kernels)
+                                    device.gpu_kernels, device.activation_quantization)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         with cpu_ops.building_with(self._kernel_config()):  # a separate draft model loads here

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 
 import pytest
 import torch
@@ -208,3 +209,28 @@ def test_a_window_reads_no_block_it_has_passed(backend, query_lens, context_lens
     meta.block_table = table
     actual = backend.forward(q, (key_cache, value_cache), meta, 0.1, window)
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_a_short_sequence_gets_the_same_bits_beside_a_long_prefill(backend, head_dim, monkeypatch):
+    """Each sequence goes to the kernel its own query count picks (decodes and chunks of at most
+    KERNEL_MAX_TOKENS: the short-step kernel), whatever else its step holds: a short prompt gets
+    the same bits alone as beside a long prefill chunk, and both match the reference (head_dim
+    64: the real models', with the kernel's vectorized weighted sum)."""
+    if not isinstance(backend, CpuKernelAttentionBackend):
+        pytest.skip("a property of the compiled kernel's backend")
+    monkeypatch.setattr(sys.modules[__name__], "HEAD_DIM", head_dim)  # build_batch reads it
+    query_lens, context_lens = [1, 21, 60, 9], [30, 0, 5, 14]
+    q, key_cache, value_cache, meta = build_batch(backend, query_lens, context_lens)
+    batch = backend.forward(q, (key_cache, value_cache), meta)
+    expected = reference_paged_attention(q, key_cache, value_cache, meta)
+    torch.testing.assert_close(batch, expected, rtol=1e-4, atol=1e-4)
+    for i in (1, 3):  # the short prompt and the short chunk, each alone
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        alone = dataclasses.replace(
+            meta, num_decodes=0, query_start_loc=[0, end - start],
+            context_lens=[meta.context_lens[i]], seq_lens=[meta.seq_lens[i]],
+            slot_mapping=meta.slot_mapping[start:end], block_table=meta.block_table[i:i + 1],
+            decode_seq_lens=meta.decode_seq_lens[:0], backend_state={})
+        assert torch.equal(backend.forward(q[start:end], (key_cache, value_cache), alone),
+                           batch[start:end])

@@ -169,8 +169,9 @@ def test_fp32_layer_keeps_only_its_codes_and_multiplies_exactly():
     q = decode_gguf_blocks(synthetic_blocks(GQT.Q4_1, 64, k, 3), GQT.Q4_1, (64, k))
     kk = decode_gguf_blocks(synthetic_blocks(GQT.Q4_K, 32, k, 4), GQT.Q4_K, (32, k))
     dense = torch.cat([q.dequantize(), kk.dequantize(), kk.dequantize()])
-    layer = _loaded_linear(MergedLinear(k, {"q": 64, "k": 32, "v": 32}),
-                           {"q": q, "k": kk, "v": kk}, torch.float32)
+    with cpu_ops.building_with(cpu_ops.KernelConfig(activation_quantization="none")):
+        layer = _loaded_linear(MergedLinear(k, {"q": 64, "k": 32, "v": 32}),
+                               {"q": q, "k": kk, "v": kk}, torch.float32)
     if not cpu_ops.load().exact_linear_vectorized():
         assert layer.packed is None and torch.equal(layer.weight, dense)  # dense is faster
         return
@@ -184,6 +185,28 @@ def test_fp32_layer_keeps_only_its_codes_and_multiplies_exactly():
     bound = k * 2.0**-24 * (x.double().abs() @ dense.double().abs().t())
     assert ((layer(x).double() - exact).abs() <= bound).all()
     assert ((x @ dense.t()).double() - exact).abs().le(bound).all()  # the bound holds for MKL
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the compiled CPU kernels are unavailable")
+@pytest.mark.parametrize("mode,bits", [("auto", 16), ("int16", 16), ("int8", 8)])
+def test_fp32_layer_quantizes_its_activations_as_configured(mode, bits):
+    """fp32 layers on the codes take int16 activations by default (where the integer kernel is
+    vectorized), int8 on request: within that quantization's error of the exact product, and a
+    row's result the same bits in any batch."""
+    k = 256
+    weight = decode_gguf_blocks(synthetic_blocks(GQT.Q4_1, 48, k, 5), GQT.Q4_1, (48, k))
+    with cpu_ops.building_with(cpu_ops.KernelConfig(activation_quantization=mode)):
+        layer = _loaded_linear(Linear(k, 48), {None: weight}, torch.float32)
+    if mode == "auto" and not cpu_ops.load().integer_linear_vectorized():
+        assert layer.packed.activation_bits == 32  # the exact mode is faster then
+        return
+    assert layer.weight is None and layer.packed.activation_bits == bits
+    x = torch.randn(PACKED_MAX_ROWS + 5, k, generator=torch.Generator().manual_seed(0))
+    y = layer(x)
+    exact = x @ weight.dequantize().t()
+    error = ((y - exact).abs().max() / exact.abs().max()).item()
+    assert error < (1e-4 if bits == 16 else 3e-2), error
+    assert torch.equal(layer(x[7:8]), y[7:8]) and torch.equal(layer(x[:3]), y[:3])
 
 
 def test_real_model_tensors_exact(model_path):
@@ -219,6 +242,33 @@ def test_quantization_option_keeps_cuda_dense():
     assert DeviceConfig(dtype="bfloat16", quantization="auto").quantize_on_load is None
     with pytest.raises(ValueError, match="quantization"):
         DeviceConfig(quantization="int3")
+
+
+def test_activation_quantization_modes():
+    from pagedserve.config import DeviceConfig
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.layers.quantized import activation_bits_for
+
+    class Build:  # a kernels module, as far as activation_bits_for asks
+        def __init__(self, vectorized: bool) -> None:
+            self.integer_linear_vectorized = lambda: vectorized
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for build in (Build(True), Build(False)):
+            assert activation_bits_for("none", dtype, build) == 32
+            assert activation_bits_for("int16", dtype, build, head=True) == 16
+            assert activation_bits_for("int8", dtype, build) == 8
+        assert (activation_bits_for("auto", dtype, Build(True)),
+                activation_bits_for("auto", dtype, Build(True), head=True)) == (16, 8)
+    # fp32 keeps the exact mode where the integer kernel would run its portable loops
+    assert activation_bits_for("auto", torch.float32, Build(False), head=True) == 32
+    assert activation_bits_for("auto", torch.bfloat16, Build(False), head=True) == 8
+    with pytest.raises(ValueError, match="activation quantization"):
+        activation_bits_for("int4", torch.float32, Build(True))
+    with pytest.raises(ValueError, match="activation_quantization must be one of"):
+        DeviceConfig(activation_quantization="fp8")
+    config = EngineArgs(activation_quantization="int8").create_engine_config()
+    assert config.device.activation_quantization == "int8"
 
 
 @pytest.mark.parametrize("scheme,levels", [("int4", 15), ("int8", 254)])
