@@ -230,7 +230,7 @@ class DeviceConfig:
     (and a tied head) on load, per 32-element group, and run packed only (bf16 on the CPU)."""
     activation_quantization: str = "auto"
     """Matmuls on GGUF codes by the compiled CPU kernels: "auto" int16 activations per
-    32-element group in the layers and int8 in a tied head (exact where this build has no
+    32-element group (in bf16 int8 in a tied head; fp32 exact where this build has no
     vectorized integer kernel); "none" exact (fp32: the dense model's weights and fp32 sums);
     "int16" / "int8" everywhere. See layers/quantized.py."""
     cpu_kernels: bool = True

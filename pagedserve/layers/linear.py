@@ -310,9 +310,9 @@ class VocabEmbedding(nn.Module):
 
     Loaded from GGUF codes with the compiled kernels (fp32 or bf16), the table is held as those
     codes alone (`packed_table`): lookups dequantize their rows. The tied head multiplies by the
-    codes (this rank's rows), with int8 activations by default (HEAD_ACTIVATION_BITS): in fp32
-    for every row count; in bf16 for inputs of at most packed_head_max_rows rows (decode steps),
-    where it is several times faster, and by the dense product above. Without the compiled kernels the
+    codes (this rank's rows): in fp32 for every row count (int16 activations by default); in
+    bf16 with int8 activations (HEAD_ACTIVATION_BITS) for inputs of at most packed_head_max_rows
+    rows (decode steps), where it is several times faster, and by the dense product above. Without the compiled kernels the
     dense table is held, and in bf16 the tied head runs torch's int4 kernel on few rows.
     """
 
@@ -379,8 +379,8 @@ class VocabEmbedding(nn.Module):
             _check_shape(codes, self.weight.shape)
         if codes is not None and quantize is None and dtype in (torch.float32, torch.bfloat16):
             if self.serves_as_head:
-                # int8 activations by default (HEAD_ACTIVATION_BITS); fp32: None where the exact
-                # mode would not be vectorized
+                # bf16: int8 activations by default (HEAD_ACTIVATION_BITS); fp32: None where the
+                # exact mode would not be vectorized
                 self.packed_head = packed_weight(codes, dtype, head=True)
                 self.dense_head_above_max_rows = dtype != torch.float32
                 if isinstance(self.packed_head, GroupQuantizedWeight):

@@ -200,8 +200,8 @@ def test_logprobs_and_prompt_logprobs(make_llm, tokenizer):
     prompt = tokenizer.encode(source_text(900))
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2)
     # The exact mode: 64-token chunks attend in another summation order than the whole prompt
-    # (equal to ~1e-6, not bitwise), which the default's int8 head activations can turn into
-    # ~1e-3 steps; what this checks is which positions and tokens the logprobs belong to.
+    # (equal to ~1e-6, not bitwise), which quantized activations can turn into ~1e-3 steps
+    # (an int8 head did); what this checks is which positions and tokens the logprobs belong to.
     exact = {"activation_quantization": "none"}
     chunked = make_llm(max_num_batched_tokens=64, max_num_seqs=8, **exact).generate(
         [{"prompt_token_ids": prompt}], params)[0]

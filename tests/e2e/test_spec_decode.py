@@ -64,8 +64,8 @@ def test_greedy_with_ngram_equals_greedy_without(make_llm, tokenizer, plain_gree
 def test_penalties_and_logprobs_with_ngram(make_llm, tokenizer):
     """Penalties must see the drafts accepted before each position; logprobs of every emitted
     token come from its own position. Eight prompts: penalties push the answers off the quoted
-    text, and with four an accepted draft hung on one prompt (exact mode 6 of 70; none at all in
-    the default mode); with eight 12-16 of ~140 were accepted in both."""
+    text, and with four an accepted draft hung on one prompt (exact mode 6 of 70; none at all
+    with int8 head activations); with eight 12-16 of ~140 were accepted in both."""
     prompts = doc_qa_prompts(tokenizer, 8)
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, min_tokens=12,
                             repetition_penalty=1.1, frequency_penalty=0.2)

@@ -75,8 +75,10 @@ def test_default_engine_holds_its_weights_once(make_llm, model_path):
         assert gate_up.weight is None and gate_up.dense_above_max_rows == (dtype == "bfloat16")
         table = model.model.embed_tokens
         assert table.weight is None and table.packed_table is table.packed_head
-        bits = (16, 8) if dtype == "bfloat16" or gate_up.packed._ops.integer_linear_vectorized() \
-            else (32, 32)  # fp32: the exact mode where the integer kernel is not vectorized
+        if dtype == "bfloat16":
+            bits = (16, 8)
+        else:  # fp32: the exact mode where the integer kernel is not vectorized
+            bits = (16, 16) if gate_up.packed._ops.integer_linear_vectorized() else (32, 32)
         assert (gate_up.packed.activation_bits, table.packed_head.activation_bits) == bits
 
     default = make_llm()  # --dtype auto: bf16 where the CPU computes it natively, else fp32
@@ -159,24 +161,25 @@ def test_perplexity_within_one_percent_of_fp32(make_llm, text_ids, fp32_perplexi
     assert abs(default_mix / reference - 1) < 0.01, (default_mix, reference)
 
 
-FP32_AGREEMENT_FLOOR = {"auto": 0.75, "int16": 0.9, "int8": 0.0}
+FP32_AGREEMENT_FLOOR = {"auto": 0.9, "int16": 0.9, "int8": 0.0}
 """Greedy tokens equal to the exact fp32 engine's before the first divergence, at least (of 20
-prompts x 32 tokens). Measured (AMD EPYC Zen 3, AVX2): auto 580/640 (16 prompts identical),
-int16 640/640, int8 302/640 (5 prompts): int8 is reported, not bounded."""
+prompts x 32 tokens). Measured (AMD EPYC Zen 3, AVX2): int16 (auto's fp32 mode) 640/640; with an
+int8 head (bf16's auto) 580/640 (16 prompts identical); int8 everywhere 293-302/640 (4-5 prompts; the count moved with the thread count):
+int8 is reported, not bounded."""
 
 
 @pytest.mark.parametrize("mode", ["auto", "int16", "int8"])
 def test_fp32_activation_quantization_keeps_quality(make_llm, tokenizer, text_ids,
                                                      fp32_perplexity, mode):
     """fp32 on the GGUF codes with quantized activations (--activation-quantization; auto, the
-    default: int16 in the layers, int8 in the tied head) against the exact fp32 engine:
+    default: int16 everywhere in fp32) against the exact fp32 engine:
     perplexity on the shipped text within 1%, greedy agreement reported (and bounded where
     it is the default's)."""
     llm = make_llm(activation_quantization=mode)
     head = llm.engine.executor.worker.model_runner.model.model.embed_tokens.packed_head
     if not head._ops.integer_linear_vectorized() and mode == "auto":
         pytest.skip("auto is the exact mode where this build's integer kernel is not vectorized")
-    assert head.activation_bits == (16 if mode == "int16" else 8)
+    assert head.activation_bits == (8 if mode == "int8" else 16)
     perplexity = _perplexity(llm, text_ids)
 
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
