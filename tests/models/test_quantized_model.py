@@ -164,8 +164,8 @@ def test_perplexity_within_one_percent_of_fp32(make_llm, text_ids, fp32_perplexi
 FP32_AGREEMENT_FLOOR = {"auto": 0.9, "int16": 0.9, "int8": 0.0}
 """Greedy tokens equal to the exact fp32 engine's before the first divergence, at least (of 20
 prompts x 32 tokens). Measured (AMD EPYC Zen 3, AVX2): int16 (auto's fp32 mode) 640/640; with an
-int8 head (bf16's auto) 580/640 (16 prompts identical); int8 everywhere 293-302/640 (4-5 prompts; the count moved with the thread count):
-int8 is reported, not bounded."""
+int8 head (bf16's auto) 580/640 (16 prompts identical); int8 everywhere 293-302/640 (4-5 prompts,
+moving with the thread count): int8 is reported, not bounded."""
 
 
 @pytest.mark.parametrize("mode", ["auto", "int16", "int8"])
