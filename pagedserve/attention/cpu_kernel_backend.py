@@ -75,13 +75,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
             return self._paged_attention(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
         if short_tokens.numel():
-            rows, lens = token_rows_and_lens(meta)
-            key_cache, value_cache, *scales = kv_cache
-            out.index_copy_(0, short_tokens, self.kernels.paged_attention(
-                q.index_select(0, short_tokens), key_cache, value_cache, meta.block_table,
-                rows.index_select(0, short_tokens), lens.index_select(0, short_tokens), scale,
-                *scales,
-            ))
+            out.index_copy_(0, short_tokens, self._paged_attention(
+                q.index_select(0, short_tokens), kv_cache, meta, scale, short_tokens))
         flash = self._flash_serves(q)
         key_cache, value_cache, *scales = kv_cache
         for i in long_requests:
@@ -115,15 +110,19 @@ class CpuKernelAttentionBackend(AttentionBackend):
 
     def _paged_attention(
         self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
+        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The kernel (csrc/cpu_ops.cpp paged_attention) for the step's first q.shape[0]
-        tokens: reads the cache in place, no gathered copy; fp32 throughout."""
+        """The kernel (csrc/cpu_ops.cpp paged_attention) for the step's query tokens `tokens`
+        (None: its first q.shape[0]), whose queries q holds: reads the cache in place, no
+        gathered copy; fp32 throughout."""
         rows, lens = token_rows_and_lens(meta)
-        num_tokens = q.shape[0]
+        if tokens is None:
+            rows, lens = rows[: q.shape[0]], lens[: q.shape[0]]
+        else:
+            rows, lens = rows.index_select(0, tokens), lens.index_select(0, tokens)
         key_cache, value_cache, *scales = kv_cache
         return self.kernels.paged_attention(
-            q, key_cache, value_cache, meta.block_table, rows[:num_tokens], lens[:num_tokens],
-            scale, *scales,
+            q, key_cache, value_cache, meta.block_table, rows, lens, scale, *scales,
         )
 
     def _flash_serves(self, q: torch.Tensor) -> bool:

@@ -1431,6 +1431,23 @@ inline void weighted_rows(const T* const* rows, const float* w, int64_t len, flo
 }
 #endif
 
+#ifdef PAGEDSERVE_AVX2
+// sums[i] = q . krows[i] for the first `count` (at most 8) keys, d a multiple of 8: their 8-wide
+// partial sums reduced together. Q: the query's type (the cache's, or fp32 beside codes), C: the
+// key rows'.
+template <typename Q, typename C>
+inline void key_dots8(const Q* q, const C* const* krows, int64_t count, int64_t d, float* sums) {
+  __m256 partial[8];
+  for (int i = 0; i < 8; ++i) {
+    partial[i] = _mm256_setzero_ps();
+    if (i >= count) continue;
+    for (int64_t j = 0; j < d; j += 8)
+      partial[i] = _mm256_fmadd_ps(load8(q + j), load8(krows[i] + j), partial[i]);
+  }
+  _mm256_store_ps(sums, sum8(partial));
+}
+#endif
+
 // out[0..d) = sum_p w[p] * rows[p] (fp32).
 template <typename T>
 void weighted_sum(const T* const* rows, const float* w, int64_t len, int64_t d, float* out) {
@@ -1475,20 +1492,12 @@ void attention_scores(const T* q, const T* const* krows, int64_t len, int64_t d,
     return;
   }
 #elif defined(PAGEDSERVE_AVX2)
-  if (d % 8 == 0) {  // 8 keys at a time, their 8-wide partial sums reduced together
-    const __m256 scale_v = _mm256_set1_ps(scale);
+  if (d % 8 == 0) {
     for (int64_t p0 = 0; p0 < len; p0 += 8) {
       const int64_t count = std::min<int64_t>(8, len - p0);
-      __m256 partial[8];
-      for (int i = 0; i < 8; ++i) {
-        partial[i] = _mm256_setzero_ps();
-        if (i >= count) continue;
-        for (int64_t j = 0; j < d; j += 8)
-          partial[i] = _mm256_fmadd_ps(load8(q + j), load8(krows[p0 + i] + j), partial[i]);
-      }
       alignas(32) float sums[8];
-      _mm256_store_ps(sums, _mm256_mul_ps(sum8(partial), scale_v));
-      std::copy(sums, sums + count, s + p0);
+      key_dots8(q, krows + p0, count, d, sums);
+      for (int64_t i = 0; i < count; ++i) s[p0 + i] = sums[i] * scale;
     }
     return;
   }
@@ -1527,15 +1536,8 @@ void attention_scores_codes(const float* q, const C* const* krows, const float* 
   if (d % 8 == 0) {
     for (int64_t p0 = 0; p0 < len; p0 += 8) {
       const int64_t count = std::min<int64_t>(8, len - p0);
-      __m256 partial[8];
-      for (int i = 0; i < 8; ++i) {
-        partial[i] = _mm256_setzero_ps();
-        if (i >= count) continue;
-        for (int64_t j = 0; j < d; j += 8)
-          partial[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(krows[p0 + i] + j), partial[i]);
-      }
       alignas(32) float sums[8];
-      _mm256_store_ps(sums, sum8(partial));
+      key_dots8(q, krows + p0, count, d, sums);
       for (int64_t i = 0; i < count; ++i) s[p0 + i] = sums[i] * key_scales[p0 + i];
     }
     return;

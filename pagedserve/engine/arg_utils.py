@@ -11,13 +11,13 @@ import re
 from dataclasses import dataclass, field
 
 from pagedserve.config import (
+    ACTIVATION_QUANTIZATION_MODES,
     CPU_BINDING_MODES,
     KV_CACHE_DTYPES,
     QUANTIZATION_MODES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
-    ACTIVATION_QUANTIZATION_MODES,
     KVTransferConfig,
     LoRAConfig,
     ModelConfig,

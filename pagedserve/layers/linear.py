@@ -312,8 +312,9 @@ class VocabEmbedding(nn.Module):
     codes alone (`packed_table`): lookups dequantize their rows. The tied head multiplies by the
     codes (this rank's rows): in fp32 for every row count (int16 activations by default); in
     bf16 with int8 activations (HEAD_ACTIVATION_BITS) for inputs of at most packed_head_max_rows
-    rows (decode steps), where it is several times faster, and by the dense product above. Without the compiled kernels the
-    dense table is held, and in bf16 the tied head runs torch's int4 kernel on few rows.
+    rows (decode steps), where it is several times faster, and by the dense product above.
+    Without the compiled kernels the dense table is held, and in bf16 the tied head runs torch's
+    int4 kernel on few rows.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, serves_as_head: bool) -> None:
