@@ -520,6 +520,91 @@ inline void store_row(const float* src, c10::BFloat16* dst, int64_t count) {
 constexpr int64_t kRowTile = 8;
 constexpr int64_t kRowChunk = 128;  // rows whose quantized activations stay in L2 across blocks
 
+#ifdef PAGEDSERVE_AVX2_INTEGER
+// int16 activations on many rows (prefill, big decode batches) without VNNI. vnni_block widens
+// the codes to words by two shuffles per row and pair of elements; here a column block's codes
+// are widened once into a panel that every row of the chunk reads:
+//   panel[group][pair j = 0..15][half h = 0..1]: 8 lanes, lane c = the codes of elements 2j and
+//   2j + 1 of column 8h + c as two words.
+// The integer sums are exact and their float epilogue runs in vnni_block's order, so a row's
+// result is the same bits by either kernel (tests/kernels compare them).
+constexpr bool kIntegerPanels = true;
+constexpr int64_t kPanelMinRows = 8;  // fewer rows: vnni_block, the panel does not pay (measured)
+constexpr int64_t kPanelTile = 4;     // rows per pass over the panel
+
+template <int kBits>
+void widen_panel(const uint8_t* codes, int64_t groups, __m256i* panel) {
+  constexpr int kChunks = kBits == 4 ? 4 : 8;
+  // bytes 0,1 (then 2,3) of each 32-bit lane -> two zero-extended words (per 128-bit half)
+  const __m256i first = _mm256_setr_epi32(0x80018000, 0x80058004, 0x80098008, 0x800D800C,
+                                          0x80018000, 0x80058004, 0x80098008, 0x800D800C);
+  const __m256i second = _mm256_setr_epi32(0x80038002, 0x80078006, 0x800B800A, 0x800F800E,
+                                           0x80038002, 0x80078006, 0x800B800A, 0x800F800E);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      __m256i quads[8];
+      unpack_group_avx2<kBits>(codes + g * kChunks * 64 + 32 * h, quads);
+      __m256i* pg = panel + g * 2 * kGroup;
+      for (int j = 0; j < 8; ++j) {
+        pg[(2 * j) * 2 + h] = _mm256_shuffle_epi8(quads[j], first);
+        pg[(2 * j + 1) * 2 + h] = _mm256_shuffle_epi8(quads[j], second);
+      }
+    }
+  }
+}
+
+// kRows rows times the panel's column block: out[r][0..15] (fp32), as vnni_block computes them.
+template <int kRows, typename S>
+inline void panel_rows(const __m256i* panel, const S* scales, const S* mins, int64_t groups,
+                       const int16_t* xq, const float* dx, const float* xsum, int64_t k,
+                       float* out /* [kRows][16] */) {
+  __m256 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i* pg = panel + g * 2 * kGroup;
+    __m256i dot[kRows][2];
+    for (int r = 0; r < kRows; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < kGroup / 2; ++j) {
+      const __m256i w0 = _mm256_load_si256(pg + 2 * j), w1 = _mm256_load_si256(pg + 2 * j + 1);
+      for (int r = 0; r < kRows; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xq + r * k + g * kGroup + 2 * j, sizeof(pair));
+        const __m256i xb = _mm256_set1_epi32(pair);
+        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(w0, xb));
+        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, xb));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = load8_scales(scales + g * 16 + 8 * h);
+      const __m256 minimum = load8_scales(mins + g * 16 + 8 * h);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * groups + g]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), s, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(xsum[r * groups + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(out + r * 16, acc[r][0]);
+    _mm256_storeu_ps(out + r * 16 + 8, acc[r][1]);
+  }
+}
+
+template <typename S>
+void panel_tile(int rows, const __m256i* panel, const S* scales, const S* mins, int64_t groups,
+                const int16_t* xq, const float* dx, const float* xsum, int64_t k, float* out) {
+  switch (rows) {
+    case 4: return panel_rows<4, S>(panel, scales, mins, groups, xq, dx, xsum, k, out);
+    case 3: return panel_rows<3, S>(panel, scales, mins, groups, xq, dx, xsum, k, out);
+    case 2: return panel_rows<2, S>(panel, scales, mins, groups, xq, dx, xsum, k, out);
+    default: return panel_rows<1, S>(panel, scales, mins, groups, xq, dx, xsum, k, out);
+  }
+}
+#else
+constexpr bool kIntegerPanels = false;
+constexpr int64_t kPanelMinRows = 0, kPanelTile = 1;
+#endif
+
 template <int kBits, typename Q, typename S, typename T>
 void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, const uint8_t* codes,
                        const S* scales, const S* mins, const T* bias, int64_t n, T* y) {
@@ -528,16 +613,39 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
   const int64_t block_code_bytes = groups * (kBits == 4 ? 4 : 8) * 64;
   for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
     const int64_t chunk_end = std::min(rows, chunk + kRowChunk);
+    const bool panels = kIntegerPanels && std::is_same_v<Q, int16_t> &&
+                        chunk_end - chunk >= kPanelMinRows;
+    const int64_t row_tile = panels ? kPanelTile : kRowTile;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float tile[kRowTile * 16];
+#ifdef PAGEDSERVE_AVX2_INTEGER
+      // 32-byte aligned by hand: std::vector drops __m256i's alignment attribute
+      std::vector<uint8_t> panel_bytes(panels ? groups * 2 * kGroup * 32 + 32 : 0);
+      auto* panel = reinterpret_cast<__m256i*>(
+          (reinterpret_cast<uintptr_t>(panel_bytes.data()) + 31) & ~uintptr_t{31});
+#endif
       for (int64_t b = begin; b < end; ++b) {
         const int64_t col0 = b * 16, cols = std::min<int64_t>(16, n - col0);
-        for (int64_t r = chunk; r < chunk_end; r += kRowTile) {
-          const int tile_rows = static_cast<int>(std::min(kRowTile, chunk_end - r));
-          vnni_rows<kBits, Q, S>(tile_rows, codes + b * block_code_bytes, scales + b * groups * 16,
-                              mins + b * groups * 16, groups, xr.q.data() + r * k,
-                              xr.scale.data() + r * groups, xr.sum.data() + r * groups,
-                              xr.qsum.data() + r * groups, k, tile);
+        const S* block_scales = scales + b * groups * 16;
+        const S* block_mins = mins + b * groups * 16;
+#ifdef PAGEDSERVE_AVX2_INTEGER
+        if (panels) widen_panel<kBits>(codes + b * block_code_bytes, groups, panel);
+#endif
+        for (int64_t r = chunk; r < chunk_end; r += row_tile) {
+          const int tile_rows = static_cast<int>(std::min(row_tile, chunk_end - r));
+          if (panels) {
+#ifdef PAGEDSERVE_AVX2_INTEGER
+            if constexpr (std::is_same_v<Q, int16_t>)
+              panel_tile<S>(tile_rows, panel, block_scales, block_mins, groups,
+                            xr.q.data() + r * k, xr.scale.data() + r * groups,
+                            xr.sum.data() + r * groups, k, tile);
+#endif
+          } else {
+            vnni_rows<kBits, Q, S>(tile_rows, codes + b * block_code_bytes, block_scales,
+                                   block_mins, groups, xr.q.data() + r * k,
+                                   xr.scale.data() + r * groups, xr.sum.data() + r * groups,
+                                   xr.qsum.data() + r * groups, k, tile);
+          }
           for (int i = 0; i < tile_rows; ++i) {
             if (bias) {
               for (int64_t col = 0; col < cols; ++col) tile[i * 16 + col] += to_float(bias[col0 + col]);
@@ -1344,6 +1452,18 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
           const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
           const __m512 silu = round_as(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), in);
           store16(o + r * f + i, _mm512_mul_ps(silu, load16(in + r * 2 * f + f + i)));
+        }
+#elif defined(PAGEDSERVE_AVX2)
+        for (; i + 8 <= f; i += 8) {
+          const __m256 g = load8(in + r * 2 * f + i);
+          // exp256 takes x <= 88; beyond, exp(-g) is inf, as exp512's is: silu(g) = -0
+          const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), g);
+          const __m256 big = _mm256_set1_ps(88.f);
+          const __m256 e = _mm256_blendv_ps(exp256(_mm256_min_ps(neg, big)),
+                                            _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                                            _mm256_cmp_ps(neg, big, _CMP_GT_OQ));
+          const __m256 silu = round_as8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), in);
+          store8(o + r * f + i, _mm256_mul_ps(silu, load8(in + r * 2 * f + f + i)));
         }
 #endif
         for (; i < f; ++i) {
