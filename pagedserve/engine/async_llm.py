@@ -35,7 +35,57 @@ _IDLE_POLL_SECONDS = 1.0
 """How often an idle engine thread reports stats (gauges stay fresh)."""
 
 SMALL_BATCH_MAX_REQUESTS = 8
-"""Decode steps of at most this many requests leave one CPU to the HTTP side (see _pick_threads)."""
+"""Decode steps of at most this many requests may leave one CPU to the HTTP side
+(SmallStepThreads measures whether that pays)."""
+
+
+class SmallStepThreads:
+    """How many threads small decode steps get: all the engine's, or one fewer, whichever runs
+    them faster here, measured while serving.
+
+    The event loop (SSE, JSON) runs in this process and the clients often on the same machine;
+    when they take a core, torch's OpenMP workers stall at every parallel region of the step. A
+    small decode step is bound by memory and op dispatch, so a core left to the HTTP side may
+    cost it less than the stalls do, or more: it depends on the CPU and the kernels. Measured
+    served at one stream: on an AVX-512 machine with the compiled decoder stack 11.4 ms per token
+    on 2 threads and 6.8 ms on 1; on a 2-core AMD EPYC Zen 3 with the AVX2 integer kernels 1 thread
+    lost (10.8 ms against ~9.5 ms; at 8 streams 120 output tok/s against ~140). So the two counts
+    take turns for `trial_steps` small steps each, and the one with the lower median step time
+    serves the next `retrial_steps` small steps; then they are measured again (the load may have
+    changed). Big steps (many decodes, or a prompt waiting to be prefilled) are compute-bound
+    and always take every thread.
+    """
+
+    def __init__(self, full_threads: int, trial_steps: int = 24, retrial_steps: int = 4096) -> None:
+        self.candidates = (full_threads, full_threads - 1) if full_threads > 1 else (full_threads,)
+        self.trial_steps = trial_steps
+        self.retrial_steps = retrial_steps
+        self.chosen: int | None = None if len(self.candidates) > 1 else full_threads
+        self._times: dict[int, list[float]] = {count: [] for count in self.candidates}
+        self._served = 0
+
+    def next(self) -> int:
+        """The thread count for the next small step."""
+        if self.chosen is not None:
+            return self.chosen
+        return min(self.candidates, key=lambda count: len(self._times[count]))  # take turns
+
+    def record(self, threads: int, seconds: float) -> None:
+        """A small step ran on `threads` threads in `seconds`."""
+        if len(self.candidates) == 1:
+            return
+        if self.chosen is not None:
+            self._served += 1
+            if self._served >= self.retrial_steps:
+                self.chosen, self._served = None, 0
+                self._times = {count: [] for count in self.candidates}
+            return
+        self._times[threads].append(seconds)
+        if all(len(times) >= self.trial_steps for times in self._times.values()):
+            medians = {count: sorted(times)[len(times) // 2] for count, times in self._times.items()}
+            self.chosen = min(self.candidates, key=lambda count: medians[count])
+            logger.debug("small decode steps: %d threads (median step %s)", self.chosen,
+                         {count: f"{1e3 * t:.2f} ms" for count, t in medians.items()})
 
 
 class StatLogger(Protocol):
@@ -70,7 +120,7 @@ class AsyncLLM:
         self.is_draining = False
         self.errored = False
         self._full_threads = torch.get_num_threads()
-        self._small_batch_threads = max(1, self._full_threads - 1)
+        self._small_step_threads = SmallStepThreads(self._full_threads)
         self._threads = self._full_threads
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
@@ -340,24 +390,17 @@ class AsyncLLM:
         except queue.Empty:
             pass
 
-    def _pick_threads(self) -> None:
-        """Small decode steps run on one CPU fewer than the engine was given.
-
-        The event loop (SSE, JSON) runs in this process too; when it takes a core, torch's
-        OpenMP workers stall at every parallel region of the step. A small decode step is bound
-        by memory and op dispatch, not by a second core: measured with one stream (2 CPUs), the
-        inter-token latency was 38.6 ms on 2 threads and 23.7 ms on 1 (with the compiled
-        decoder stack since: 11.4 ms on 2 threads, 6.8 ms on 1). Big steps (many decodes,
-        or a prompt waiting to be prefilled) are compute-bound and keep every thread: at 32
-        streams 2 threads gave 192 output tok/s and 1 thread 151.
-        """
+    def _pick_threads(self) -> bool:
+        """Set torch's thread count for the next step; True when it is a small decode step
+        (SmallStepThreads picks its count)."""
         scheduler = self.engine.scheduler
         small = (scheduler.num_waiting == 0
                  and len(scheduler.running) <= SMALL_BATCH_MAX_REQUESTS)
-        wanted = self._small_batch_threads if small else self._full_threads
+        wanted = self._small_step_threads.next() if small else self._full_threads
         if wanted != self._threads:
             torch.set_num_threads(wanted)
             self._threads = wanted
+        return small
 
     def _run(self) -> None:
         try:
@@ -366,8 +409,13 @@ class AsyncLLM:
                 if self.engine.executor.is_failed:  # a worker died while nothing was running
                     raise ExecutorError("the data plane failed; see the log for which worker")
                 if self.engine.has_unfinished_requests():
-                    self._pick_threads()
-                    self._deliver_all(self.engine.step())
+                    small = self._pick_threads()
+                    started = time.perf_counter()
+                    outputs = self.engine.step()
+                    if small:
+                        self._small_step_threads.record(self._threads,
+                                                        time.perf_counter() - started)
+                    self._deliver_all(outputs)
                 self._stats = self.engine.get_stats()
                 self._num_unfinished = self._stats.num_running_reqs + self._stats.num_waiting_reqs
                 now = time.monotonic()
