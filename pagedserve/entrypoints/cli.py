@@ -156,7 +156,7 @@ def _add_router(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(parser: argparse.ArgumentParser) -> None:
-    from pagedserve.benchmarks import collectives, throughput
+    from pagedserve.benchmarks import collectives, matmul, throughput
     from pagedserve.benchmarks import lora as lora_bench
     from pagedserve.benchmarks import serve as serve_bench
 
@@ -178,6 +178,10 @@ def _add_bench(parser: argparse.ArgumentParser) -> None:
     )
     collectives.add_cli_args(collectives_parser)
     collectives_parser.set_defaults(func=collectives.main)
+    matmul_parser = bench_commands.add_parser(
+        "matmul", help="one layer on its GGUF codes by activation mode against the dense matmul")
+    matmul.add_cli_args(matmul_parser)
+    matmul_parser.set_defaults(func=matmul.main)
 
 
 COMMANDS = {

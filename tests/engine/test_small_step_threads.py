@@ -4,6 +4,8 @@ machine's timing."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from pagedserve.engine.async_llm import SmallStepThreads
@@ -27,7 +29,7 @@ def test_the_faster_count_serves_after_both_took_turns(faster):
     slower = 3 - faster
     asked = run_trial(chooser, {faster: 0.006, slower: 0.009})
     assert sorted(asked) == [1] * 5 + [2] * 5
-    assert all(a != b for a, b in zip(asked, asked[1:]))  # alternating: the same load for both
+    assert all(a != b for a, b in itertools.pairwise(asked))  # alternating: the same load for both
     assert chooser.chosen == faster
     assert [chooser.next() for _ in range(3)] == [faster] * 3
     # after retrial_steps small steps served, both are measured again: the load may have changed

@@ -10,6 +10,9 @@ Python modules they stand in for, bit for bit, since the decoder stack's equalit
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,3 +230,26 @@ def test_write_kv_equals_index_copy():
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.write_kv(caches[2], caches[3], k, v, torch.tensor([0, 1, 2, 3, 40]))
+
+
+def test_bench_matmul_times_every_mode_on_the_same_weights(capsys, tmp_path):
+    """`pagedserve bench matmul` runs each mode at each row count and prints a row per case
+    (its figures are timings, so only their presence is checked here)."""
+    from pagedserve.benchmarks import matmul
+    from pagedserve.entrypoints.cli import build_parser
+
+    records = matmul.measure([(40, 64)], [1, 9], "int4", iterations=2)
+    assert [(r["n"], r["k"], r["rows"]) for r in records] == [(40, 64, 1), (40, 64, 9)]
+    assert all(set(r["ms"]) == {"dense", *matmul.MODES} for r in records)
+    assert all(ms > 0 for r in records for ms in r["ms"].values())
+    # this build as its own baseline (a copy: one file loads once per process), so the bits agree
+    baseline = tmp_path / Path(ops.__file__).name
+    shutil.copy(ops.__file__, baseline)
+    args = build_parser().parse_args(["bench", "matmul", "--shapes", "16x32", "--rows", "3,9",
+                                      "--qtype", "int8", "--iterations", "1",
+                                      "--baseline-kernels", str(baseline)])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "int8 codes" in table[0] and "base int16 / int16" in table[1]
+    assert [line.split()[:4] for line in table[2:]] == [["16", "x", "32", "3"],
+                                                        ["16", "x", "32", "9"]]
