@@ -1629,6 +1629,67 @@ void attention_scores(const T* q, const T* const* krows, int64_t len, int64_t d,
   }
 }
 
+#ifdef PAGEDSERVE_AVX2
+// The scores of kHeads query heads that share a KV head against 4 keys (the first `count`):
+// each key vector is loaded once for all of them, where attention_scores (key_dots8) loads the
+// query beside every key vector, two loads per FMA. The same products, partial sums and
+// reduction as key_dots8 (sum8's first half), so the same bits.
+template <int kHeads>
+inline void head_key_dots4(const float* q, const float* const* krows, int64_t count, int64_t d,
+                           float (*sums)[4]) {
+  __m256 partial[kHeads][4];
+  for (int h = 0; h < kHeads; ++h)
+    for (int i = 0; i < 4; ++i) partial[h][i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 8) {
+    __m256 qv[kHeads];
+    for (int h = 0; h < kHeads; ++h) qv[h] = _mm256_loadu_ps(q + h * d + j);
+    for (int i = 0; i < 4; ++i) {
+      if (i >= count) break;
+      const __m256 kv = _mm256_loadu_ps(krows[i] + j);
+      for (int h = 0; h < kHeads; ++h) partial[h][i] = _mm256_fmadd_ps(qv[h], kv, partial[h][i]);
+    }
+  }
+  for (int h = 0; h < kHeads; ++h) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(partial[h][0], partial[h][1]),
+                                    _mm256_hadd_ps(partial[h][2], partial[h][3]));
+    _mm_storeu_ps(sums[h], _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)));
+  }
+}
+
+template <int kHeads>
+inline void head_scores(const float* q, const float* const* krows, int64_t len, int64_t d,
+                        float scale, float* s /* [kHeads][len] */) {
+  for (int64_t p0 = 0; p0 < len; p0 += 4) {
+    const int64_t count = std::min<int64_t>(4, len - p0);
+    float sums[kHeads][4];
+    head_key_dots4<kHeads>(q, krows + p0, count, d, sums);
+    for (int h = 0; h < kHeads; ++h)
+      for (int64_t i = 0; i < count; ++i) s[h * len + p0 + i] = sums[h][i] * scale;
+  }
+}
+#endif
+
+// s[g * len + p] = scale * q_g . krows[p] for the `group` query heads q_g (q + g * d) that share
+// a KV head: attention_scores for each, the same bits, on AVX2 in fp32 3 heads per pass over the
+// keys.
+template <typename T>
+void group_attention_scores(const T* q, int64_t group, const T* const* krows, int64_t len,
+                            int64_t d, float scale, float* s) {
+#ifdef PAGEDSERVE_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (d % 8 == 0) {
+      int64_t g = 0;
+      for (; g + 3 <= group; g += 3) head_scores<3>(q + g * d, krows, len, d, scale, s + g * len);
+      if (group - g == 2) head_scores<2>(q + g * d, krows, len, d, scale, s + g * len);
+      if (group - g == 1) head_scores<1>(q + g * d, krows, len, d, scale, s + g * len);
+      return;
+    }
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    attention_scores(q + g * d, krows, len, d, scale, s + g * len);
+}
+
 // Scores against a quantized cache: s[p] = (q . codes[p]) * key_scales[p], the query widened to
 // fp32 and key_scales holding each key's scale times the softmax scale.
 template <typename C>
@@ -1775,13 +1836,14 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
       if constexpr (kQuantized) {
         widen_row(q + t * q_token_stride + h * group * d, q32.data(), group * d);
       }
+      if constexpr (!kQuantized) {
+        group_attention_scores(q + t * q_token_stride + h * group * d, group, krows.data(), len,
+                               d, scale, scores.data());
+      }
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
         if constexpr (kQuantized) {
           attention_scores_codes(q32.data() + g * d, krows.data(), key_scales.data(), len, d, s);
-        } else {
-          attention_scores(q + t * q_token_stride + (h * group + g) * d, krows.data(), len, d,
-                           scale, s);
         }
         if (partial) {  // unnormalized: the merge divides by the slices' total
           partial[g * (d + 2)] = *std::max_element(s, s + len);

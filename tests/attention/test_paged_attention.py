@@ -16,8 +16,8 @@ import torch
 
 from pagedserve.attention import AttentionBackend, create_attention_backend
 from pagedserve.attention.cpu_kernel_backend import CpuKernelAttentionBackend
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.kv_cache import kv_cache_shape
+from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.paged import PREFILL_QUERY_BLOCK, TorchAttentionBackend
 from pagedserve.attention.reference import reference_paged_attention
 from pagedserve.kernels import cpu_ops
@@ -121,7 +121,7 @@ def test_a_long_decode_gives_the_same_bits_alone_and_in_a_batch(backend):
 
 
 def test_write_kv_lands_in_the_slots_the_table_names(backend):
-    q, key_cache, value_cache, meta = build_batch(backend, [1, 3], [6, 2])
+    _q, key_cache, value_cache, meta = build_batch(backend, [1, 3], [6, 2])
     k = torch.randn(4, NUM_KV_HEADS, HEAD_DIM)
     backend.write_kv((key_cache, value_cache), k, k, meta.slot_mapping)
     block_table = meta.block_table.tolist()
@@ -234,3 +234,28 @@ def test_a_short_sequence_gets_the_same_bits_beside_a_long_prefill(backend, head
             decode_seq_lens=meta.decode_seq_lens[:0], backend_state={})
         assert torch.equal(backend.forward(q[start:end], (key_cache, value_cache), alone),
                            batch[start:end])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 4, 128),
+                                                             (6, 2, 16)])
+def test_query_heads_sharing_a_kv_head_get_the_bits_of_one_head_each(num_heads, num_kv_heads,
+                                                                     head_dim):
+    """The kernel scores the query heads of a KV head together (on AVX2 in fp32, three per
+    pass over the keys); with each KV head copied once per query head (group 1) every head is
+    scored alone. Both must give the same bits."""
+    kernels = cpu_ops.load()
+    if kernels is None:
+        pytest.skip("the compiled CPU kernels are unavailable here")
+    group, num_seqs, block_size, seq_len = num_heads // num_kv_heads, 3, 16, 300
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = num_seqs * blocks_per_seq + 1
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    key_cache, value_cache = torch.randn(shape), torch.randn(shape)
+    table = torch.arange(1, num_blocks).view(num_seqs, blocks_per_seq)
+    rows, lens = torch.arange(num_seqs), torch.tensor([seq_len, seq_len - 5, 37])
+    q = torch.randn(num_seqs, num_heads, head_dim)
+    grouped = kernels.paged_attention(q, key_cache, value_cache, table, rows, lens, 0.125)
+    one_each = kernels.paged_attention(
+        q, key_cache.repeat_interleave(group, 0), value_cache.repeat_interleave(group, 0),
+        table, rows, lens, 0.125)
+    assert torch.equal(grouped, one_each)
