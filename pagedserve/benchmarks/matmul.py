@@ -71,6 +71,13 @@ def cpu_model() -> str:
             f"model {fields.get('model', '?')}: {' '.join(features) or 'no AVX2'})")
 
 
+def kernel_call(kernels, layer, x: torch.Tensor):
+    """`layer`'s product of x by a build of the kernels, called straight: every build the same
+    way (the layer's Python wrapper would weigh on one side only, ~30% of the call at one row)."""
+    return partial(kernels.quant_linear, x, layer.codes, layer.scales, layer.mins,
+                   layer.out_features, layer.bits, layer.activation_bits, None)
+
+
 def measure(shapes: list[tuple[int, int]], rows: list[int], qtype: str, iterations: int,
             seed: int = 0, baseline=None) -> list[dict]:
     """One record per (shape, rows): median milliseconds per mode ("dense" and MODES, and with
@@ -93,13 +100,10 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], qtype: str, iteratio
         for m in rows:
             x = torch.randn(m, k, generator=generator)
             calls = {"dense": partial(F.linear, x, dense)}
-            calls.update({mode: partial(layer, x) for mode, layer in layers.items()})
+            calls.update({mode: kernel_call(ops, layers[mode], x) for mode in MODES})
             if baseline is not None:
                 for mode in ("int16", "int8"):
-                    layer = layers[mode]
-                    calls[f"base {mode}"] = partial(
-                        baseline.quant_linear, x, layer.codes, layer.scales, layer.mins, n,
-                        layer.bits, MODES[mode], None)
+                    calls[f"base {mode}"] = kernel_call(baseline, layers[mode], x)
                     if not torch.equal(calls[f"base {mode}"](), calls[mode]()):
                         raise RuntimeError(f"the baseline kernels' {mode} product differs from "
                                            f"this build's at {m} rows, {n} x {k}")

@@ -356,6 +356,17 @@ inline void unpack_group_avx2(const uint8_t* cg, __m256i* quads) {
   }
 }
 
+// A quad of bytes per 32-bit lane (elements 4j..4j+3 of a column) -> pairs[0]: elements 4j and
+// 4j + 1 as two zero-extended words per lane, pairs[1]: 4j + 2 and 4j + 3 (the int16 form).
+inline void widen_quad(__m256i quad, __m256i* pairs) {
+  const __m256i first = _mm256_setr_epi32(0x80018000, 0x80058004, 0x80098008, 0x800D800C,
+                                          0x80018000, 0x80058004, 0x80098008, 0x800D800C);
+  const __m256i second = _mm256_setr_epi32(0x80038002, 0x80078006, 0x800B800A, 0x800F800E,
+                                           0x80038002, 0x80078006, 0x800B800A, 0x800F800E);
+  pairs[0] = _mm256_shuffle_epi8(quad, first);
+  pairs[1] = _mm256_shuffle_epi8(quad, second);
+}
+
 template <int kBits, typename Q>
 inline __m256i group_dot_avx2(const __m256i* quads, const Q* xg, int32_t qsum) {
   const int32_t* x32 = reinterpret_cast<const int32_t*>(xg);  // 4 int8 or 2 int16 per lane
@@ -379,17 +390,13 @@ inline __m256i group_dot_avx2(const __m256i* quads, const Q* xg, int32_t qsum) {
       return _mm256_add_epi32(_mm256_add_epi32(dot[0], dot[1]), _mm256_set1_epi32(128 * qsum));
     }
   } else {
-    // bytes 0,1 (then 2,3) of each 32-bit lane -> two zero-extended words (per 128-bit half)
-    const __m256i first = _mm256_setr_epi32(0x80018000, 0x80058004, 0x80098008, 0x800D800C,
-                                            0x80018000, 0x80058004, 0x80098008, 0x800D800C);
-    const __m256i second = _mm256_setr_epi32(0x80038002, 0x80078006, 0x800B800A, 0x800F800E,
-                                             0x80038002, 0x80078006, 0x800B800A, 0x800F800E);
     __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int j = 0; j < 8; ++j) {
-      dot[0] = _mm256_add_epi32(dot[0], _mm256_madd_epi16(_mm256_shuffle_epi8(quads[j], first),
-                                                          _mm256_set1_epi32(x32[2 * j])));
-      dot[1] = _mm256_add_epi32(dot[1], _mm256_madd_epi16(_mm256_shuffle_epi8(quads[j], second),
-                                                          _mm256_set1_epi32(x32[2 * j + 1])));
+      __m256i pairs[2];
+      widen_quad(quads[j], pairs);
+      dot[0] = _mm256_add_epi32(dot[0], _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(x32[2 * j])));
+      dot[1] = _mm256_add_epi32(dot[1],
+                                _mm256_madd_epi16(pairs[1], _mm256_set1_epi32(x32[2 * j + 1])));
     }
     return _mm256_add_epi32(dot[0], dot[1]);
   }
@@ -535,19 +542,16 @@ constexpr int64_t kPanelTile = 4;     // rows per pass over the panel
 template <int kBits>
 void widen_panel(const uint8_t* codes, int64_t groups, __m256i* panel) {
   constexpr int kChunks = kBits == 4 ? 4 : 8;
-  // bytes 0,1 (then 2,3) of each 32-bit lane -> two zero-extended words (per 128-bit half)
-  const __m256i first = _mm256_setr_epi32(0x80018000, 0x80058004, 0x80098008, 0x800D800C,
-                                          0x80018000, 0x80058004, 0x80098008, 0x800D800C);
-  const __m256i second = _mm256_setr_epi32(0x80038002, 0x80078006, 0x800B800A, 0x800F800E,
-                                           0x80038002, 0x80078006, 0x800B800A, 0x800F800E);
   for (int64_t g = 0; g < groups; ++g) {
     for (int h = 0; h < 2; ++h) {
       __m256i quads[8];
       unpack_group_avx2<kBits>(codes + g * kChunks * 64 + 32 * h, quads);
       __m256i* pg = panel + g * 2 * kGroup;
       for (int j = 0; j < 8; ++j) {
-        pg[(2 * j) * 2 + h] = _mm256_shuffle_epi8(quads[j], first);
-        pg[(2 * j + 1) * 2 + h] = _mm256_shuffle_epi8(quads[j], second);
+        __m256i pairs[2];
+        widen_quad(quads[j], pairs);
+        pg[(2 * j) * 2 + h] = pairs[0];
+        pg[(2 * j + 1) * 2 + h] = pairs[1];
       }
     }
   }
@@ -1835,8 +1839,7 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
           (first_partial[t] + h * slices + slice) * partial_size : nullptr;
       if constexpr (kQuantized) {
         widen_row(q + t * q_token_stride + h * group * d, q32.data(), group * d);
-      }
-      if constexpr (!kQuantized) {
+      } else {
         group_attention_scores(q + t * q_token_stride + h * group * d, group, krows.data(), len,
                                d, scale, scores.data());
       }
