@@ -1,13 +1,14 @@
 """Paged attention by the compiled CPU kernels (csrc/cpu_ops.cpp): `CpuKernelAttentionBackend`.
 
 The kernels read the cache in place: decodes and short chunks (a sequence's at most
-KERNEL_MAX_TOKENS queries of a step) through `paged_attention`, bf16
-prefill chunks through the flash-style `prefill_attention` (2-3x the torch paths). Where a step's
-shape is not theirs the torch functions of attention/paged.py run, exactly as that backend would:
-queries whose heads are not dense, fp32 prefill chunks longer than KERNEL_MAX_TOKENS, prefill
-chunks whose head_dim the flash kernel does not take, and layers with a sliding window in steps
-where the window hides some key (the kernels know no windows; while every sequence of the step
-fits in the window, it changes nothing and the kernels serve).
+KERNEL_MAX_TOKENS queries of a step) through `paged_attention`, longer prefill chunks through
+`prefill_attention`: bf16 on AVX512-BF16 (2-3x the torch paths), fp32 on AVX2 + FMA with a plain
+fp32 cache (csrc/prefill_attention_f32.h; 1.4-2x torch's SDPA, Zen 3). Where a step's shape is not
+theirs the torch functions of attention/paged.py run, exactly as that backend would: queries whose
+heads are not dense, prefill chunks whose dtype, cache or head_dim the prefill kernels do not
+take, and layers with a sliding window in steps where the window hides some key (the kernels know
+no windows; while every sequence of the step fits in the window, it changes nothing and the
+kernels serve).
 
 A quantized cache (int8 / fp8 codes, fp16 scales: attention/kv_cache.py) goes to the same kernels:
 its scales ride along as the last arguments (`*scales`, empty for a plain cache), the kernels
@@ -73,22 +74,27 @@ class CpuKernelAttentionBackend(AttentionBackend):
         short_tokens, long_requests = self._split_by_query_count(meta)
         if not long_requests:
             return self._paged_attention(q, kv_cache, meta, scale)
+        if len(long_requests) == 1 and not short_tokens.numel():  # one prompt fills the step
+            return self._prefill(q, kv_cache, meta, long_requests[0], scale)
         out = torch.empty_like(q)
         if short_tokens.numel():
             out.index_copy_(0, short_tokens, self._paged_attention(
                 q.index_select(0, short_tokens), kv_cache, meta, scale, short_tokens))
-        flash = self._flash_serves(q)
-        key_cache, value_cache, *scales = kv_cache
         for i in long_requests:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            if flash:
-                out[start:end] = self.kernels.prefill_attention(
-                    q[start:end], key_cache, value_cache, meta.block_table[i],
-                    meta.context_lens[i], scale, *scales,
-                )
-            else:
-                out[start:end] = gathered_prefill_attention(q[start:end], kv_cache, meta, i, scale)
+            out[start:end] = self._prefill(q[start:end], kv_cache, meta, i, scale)
         return out
+
+    def _prefill(
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, i: int, scale: float,
+    ) -> torch.Tensor:
+        """Request i's prefill chunk q: the prefill kernel where it serves, else the torch
+        path's blocked matmuls / SDPA."""
+        if not self._prefill_kernel_serves(q, kv_cache):
+            return gathered_prefill_attention(q, kv_cache, meta, i, scale)
+        key_cache, value_cache, *scales = kv_cache
+        return self.kernels.prefill_attention(
+            q, key_cache, value_cache, meta.block_table[i], meta.context_lens[i], scale, *scales)
 
     @staticmethod
     def _split_by_query_count(meta: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
@@ -125,10 +131,13 @@ class CpuKernelAttentionBackend(AttentionBackend):
             q, key_cache, value_cache, meta.block_table, rows, lens, scale, *scales,
         )
 
-    def _flash_serves(self, q: torch.Tensor) -> bool:
-        """The flash prefill kernel takes bf16 with head_dim 64 or 128 (AVX512-BF16); a
-        quantized cache is dequantized to bf16 as its tiles are laid out."""
+    def _prefill_kernel_serves(self, q: torch.Tensor, kv_cache: KVCache) -> bool:
+        """bf16 with head_dim 64 or 128 (AVX512-BF16; a quantized cache is dequantized to bf16
+        as its tiles are laid out), or fp32 on a plain fp32 cache with head_dim a multiple of 8
+        (AVX2 + FMA)."""
+        if q.dtype == torch.bfloat16:
+            return q.shape[-1] in (64, 128) and self.kernels.prefill_attention_supported()
         return (
-            q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
-            and self.kernels.prefill_attention_supported()
+            q.dtype == torch.float32 and len(kv_cache) == 2 and kv_cache[0].dtype == torch.float32
+            and q.shape[-1] % 8 == 0 and self.kernels.prefill_attention_f32_supported()
         )

@@ -165,6 +165,24 @@ inline void store8(c10::BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm256_castsi256_si128(_mm256_permute4x64_epi64(words, 0x08)));
 }
+// Lane i = the sum of v[i]'s 8 lanes (two rounds of pairwise adds, then the halves).
+inline __m256 sum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+// The sum of 8 floats in the order torch's AVX2 reductions take (halves, then pairs, then
+// neighbours), so that a norm's statistics are torch's bit for bit.
+inline float reduce_add8(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x1));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+  return _mm256_cvtss_f32(v);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Also in AVX-512 builds: the fp32 prefill attention runs on 8-wide registers there too.
 // exp(x) as exp512 computes it (degree-6 Taylor polynomial of r, times 2^n), 8 wide; 2^n is
 // built in the exponent bits (x >= -87 keeps n >= -126, a normal float). For x <= 88.
 inline __m256 exp256(__m256 x) {
@@ -183,20 +201,6 @@ inline __m256 exp256(__m256 x) {
   const __m256i exponent = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
-}
-// Lane i = the sum of v[i]'s 8 lanes (two rounds of pairwise adds, then the halves).
-inline __m256 sum8(const __m256* v) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-// The sum of 8 floats in the order torch's AVX2 reductions take (halves, then pairs, then
-// neighbours), so that a norm's statistics are torch's bit for bit.
-inline float reduce_add8(__m256 v) {
-  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x1));
-  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
-  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
-  return _mm256_cvtss_f32(v);
 }
 #endif
 
@@ -2171,8 +2175,11 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
 }
 #endif
 
-// One request's prefill chunk (see above); bf16 with head_dim 64 or 128 only (the caller keeps its
-// torch path otherwise: `prefill_attention_supported`).
+#include "prefill_attention_f32.h"
+
+// One request's prefill chunk: bf16 with head_dim 64 or 128 (the flash kernel above), or fp32 on
+// a plain fp32 cache with head_dim a multiple of 8 (prefill_attention_f32.h). The caller keeps its
+// torch path otherwise: `prefill_attention_supported`, `prefill_attention_f32_supported`.
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor block_ids, int64_t context_len, double scale,
                                 c10::optional<torch::Tensor> key_scale,
@@ -2180,15 +2187,35 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch:
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be (T, H, D) with dense heads");
   const bool quantized = check_kv_scales(key_cache, value_cache, key_scale, value_scale);
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 &&
-                  (quantized || key_cache.scalar_type() == torch::kBFloat16),
-              "bf16 only");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches contiguous");
   const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = key_cache.size(0), block_size = key_cache.size(2);
   torch::Tensor ids = block_ids.to(torch::kInt64).contiguous();
   TORCH_CHECK(ids.numel() * block_size >= context_len + tokens, "too few blocks");
   torch::Tensor out = torch::empty({tokens, heads, d}, q.options());
+  if (q.scalar_type() == torch::kFloat) {
+#ifdef PAGEDSERVE_FLASH_F32
+    TORCH_CHECK(!quantized && key_cache.scalar_type() == torch::kFloat,
+                "fp32 queries need a plain fp32 cache");
+    TORCH_CHECK(d % 8 == 0, "head_dim must be a multiple of 8");
+    const int64_t seq_len = context_len + tokens;
+    std::vector<int64_t> slots(seq_len);
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t pos = 0; pos < seq_len; ++pos)
+      slots[pos] = id[pos / block_size] * block_size + pos % block_size;
+    const F32Prefill args{q.data_ptr<float>(), q.stride(0), key_cache.data_ptr<float>(),
+                          value_cache.data_ptr<float>(), key_cache.size(1) * block_size * d,
+                          slots.data(), context_len, tokens, heads, d,
+                          static_cast<float>(scale), out.data_ptr<float>()};
+    flash_prefill_f32(args, kv_heads);
+    return out;
+#else
+    TORCH_CHECK(false, "built without AVX2 and FMA");
+#endif
+  }
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 &&
+                  (quantized || key_cache.scalar_type() == torch::kBFloat16),
+              "fp32 or bf16 only");
 #ifdef PAGEDSERVE_FLASH
   auto run = [&](auto dc) {
     auto run_with = [&](auto* cache_type) {
@@ -2219,6 +2246,14 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch:
 
 bool prefill_attention_supported() {
 #ifdef PAGEDSERVE_FLASH
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool prefill_attention_f32_supported() {
+#ifdef PAGEDSERVE_FLASH_F32
   return true;
 #else
   return false;
@@ -2487,6 +2522,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value_scale") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_supported", &prefill_attention_supported);
+  m.def("prefill_attention_f32_supported", &prefill_attention_f32_supported);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                     torch::Tensor>())

@@ -259,3 +259,79 @@ def test_query_heads_sharing_a_kv_head_get_the_bits_of_one_head_each(num_heads, 
         q, key_cache.repeat_interleave(group, 0), value_cache.repeat_interleave(group, 0),
         table, rows, lens, 0.125)
     assert torch.equal(grouped, one_each)
+
+
+def _prefill_kernel_or_skip():
+    kernels = cpu_ops.load()
+    if kernels is None:
+        pytest.skip("the compiled CPU kernels are unavailable here")
+    if not kernels.prefill_attention_f32_supported():
+        pytest.skip("the fp32 prefill kernel needs AVX2 and FMA (csrc/prefill_attention_f32.h)")
+    return kernels
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (9, 3, 64),  # SmolLM2's shape: one 3-head tile per KV head
+    (8, 2, 64),  # group 4: two 2-head tiles
+    (5, 1, 32),  # group 5: a 3-head tile and a 2-head tile
+    (4, 4, 128),  # no GQA: 1-head tiles
+])
+@pytest.mark.parametrize("num_tokens,context_len", [(45, 0), (203, 37), (64, 500)])
+def test_fp32_prefill_kernel_matches_reference(num_heads, num_kv_heads, head_dim, num_tokens,
+                                               context_len, monkeypatch):
+    """The fp32 prefill kernel, called directly, against the token-by-token reference: chunks
+    with and without context, ends that fill part of the kernel's 8-token blocks, every head
+    tile it takes. Then through the backend: a chunk longer than KERNEL_MAX_TOKENS is the
+    kernel's (same bits as the direct call), with the short-step kernel's decodes beside it."""
+    kernels = _prefill_kernel_or_skip()
+    for name, value in (("NUM_HEADS", num_heads), ("NUM_KV_HEADS", num_kv_heads),
+                        ("HEAD_DIM", head_dim)):
+        monkeypatch.setattr(sys.modules[__name__], name, value)  # build_batch reads them
+    backend = create_attention_backend("cpu", torch.float32, kernels)
+    q, key_cache, value_cache, meta = build_batch(backend, [1, 1, num_tokens], [9, 70, context_len])
+    start = meta.query_start_loc[2]
+    direct = kernels.prefill_attention(q[start:], key_cache, value_cache, meta.block_table[2],
+                                       context_len, head_dim ** -0.5)
+    expected = reference_paged_attention(q, key_cache, value_cache, meta)
+    torch.testing.assert_close(direct, expected[start:], rtol=1e-4, atol=1e-4)
+    batch = backend.forward(q, (key_cache, value_cache), meta)
+    assert torch.equal(batch[start:], direct)
+    torch.testing.assert_close(batch, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fp32_prefill_kernel_reads_no_key_past_its_chunk():
+    """A chunk's last block holds stale slots past the sequence, and the kernel's last 8-token
+    block may run past the chunk's end: neither may reach the output (NaN there would)."""
+    kernels = _prefill_kernel_or_skip()
+    heads, kv_heads, head_dim, block_size = 6, 2, 16, 16
+    num_tokens, context_len = 37, 6  # positions 0..42: block 2 holds 43..47 unused
+    key_cache = torch.randn(kv_heads, 4, block_size, head_dim)
+    value_cache = torch.randn(kv_heads, 4, block_size, head_dim)
+    table = torch.tensor([3, 1, 2])
+    key_cache[:, 2, 11:], value_cache[:, 2, 11:] = float("nan"), float("nan")
+    key_cache[:, 0], value_cache[:, 0] = float("nan"), float("nan")  # a block not in the table
+    q = torch.randn(num_tokens, heads, head_dim)
+    out = kernels.prefill_attention(q, key_cache, value_cache, table, context_len, 0.25)
+    assert torch.isfinite(out).all()
+
+
+def test_bench_attention_times_the_kernel_beside_the_torch_path(capsys):
+    """`pagedserve bench attention` times both paths on each chunk and prints a row per case
+    (timings: only their presence is checked) with the two outputs' difference, which must be
+    rounding only."""
+    _prefill_kernel_or_skip()
+    from pagedserve.benchmarks import attention
+    from pagedserve.entrypoints.cli import build_parser
+
+    records = attention.measure([(40, 0), (35, 21)], heads=6, kv_heads=2, head_dim=16,
+                                dtype=torch.float32, block_size=4, iterations=2)
+    assert [(r["tokens"], r["context"]) for r in records] == [(40, 0), (35, 21)]
+    assert all(set(r["ms"]) == {"kernel", "torch"} and min(r["ms"].values()) > 0
+               for r in records)
+    assert all(r["max_diff"] < 1e-4 for r in records)
+    args = build_parser().parse_args(["bench", "attention", "--cases", "33+0,40+9", "--heads",
+                                      "4/2", "--head-dim", "32", "--iterations", "1"])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "4 heads / 2 KV heads x 32" in table[0] and "torch / kernel" in table[1]
+    assert [line.split()[:2] for line in table[2:]] == [["33", "0"], ["40", "9"]]

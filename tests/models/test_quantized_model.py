@@ -22,12 +22,11 @@ import gguf
 import pytest
 
 import pagedserve.layers.linear as linear_module
-import pagedserve.layers.quantized as quantized
 from pagedserve.observability.memory import model_bytes
 from pagedserve.sampling_params import SamplingParams
 from tests.cpu import BF16_IS_THE_DEFAULT
-from tests.shared_engines import shared_weights_llm
 from tests.prompts import CHAT_QUESTIONS, PARITY_PROMPTS, chat_prompt
+from tests.shared_engines import shared_weights_llm
 
 NUM_NEW_TOKENS = 32
 # The shared prompts up to ~600 tokens (the two ~1,300-1,500 token ones would double the time),
@@ -164,8 +163,9 @@ def test_perplexity_within_one_percent_of_fp32(make_llm, text_ids, fp32_perplexi
 FP32_AGREEMENT_FLOOR = {"auto": 0.9, "int16": 0.9, "int8": 0.0}
 """Greedy tokens equal to the exact fp32 engine's before the first divergence, at least (of 20
 prompts x 32 tokens). Measured (AMD EPYC Zen 3, AVX2): int16 (auto's fp32 mode) 640/640; with an
-int8 head (bf16's auto) 580/640 (16 prompts identical); int8 everywhere 293-302/640 (4-5 prompts,
-moving with the thread count): int8 is reported, not bounded."""
+int8 head (bf16's auto) 580/640 (16 prompts identical); int8 everywhere 278-302/640 (3-5 prompts,
+moving with the thread count and the prefill attention's rounding): int8 is reported, not
+bounded."""
 
 
 @pytest.mark.parametrize("mode", ["auto", "int16", "int8"])
@@ -196,7 +196,13 @@ def test_fp32_activation_quantization_keeps_quality(make_llm, tokenizer, text_id
           f"{fp32_perplexity:.4f} ({perplexity / fp32_perplexity - 1:+.2%}); greedy tokens "
           f"agreeing before the first divergence {sum(agreeing)} of {len(agreeing) * NUM_NEW_TOKENS}"
           f" ({sum(a == NUM_NEW_TOKENS for a in agreeing)} of {len(agreeing)} prompts identical)")
-    assert abs(perplexity / fp32_perplexity - 1) < 0.01, (perplexity, fp32_perplexity)
+    if mode == "int8":
+        # int8's perplexity here moves with any rounding upstream (-0.10% with torch's SDPA in
+        # prefill, -1.48% with the fp32 prefill kernel, +0.78% on another thread count): bounded
+        # against losing quality, not against landing lower by chance.
+        assert perplexity / fp32_perplexity - 1 < 0.01, (perplexity, fp32_perplexity)
+    else:
+        assert abs(perplexity / fp32_perplexity - 1) < 0.01, (perplexity, fp32_perplexity)
     assert sum(agreeing) >= FP32_AGREEMENT_FLOOR[mode] * len(agreeing) * NUM_NEW_TOKENS, agreeing
 
 

@@ -1,0 +1,110 @@
+"""`pagedserve bench attention`: one request's prefill attention on the compiled kernel
+(csrc/cpu_ops.cpp prefill_attention: fp32 on AVX2 + FMA, bf16 on AVX512-BF16) against the torch
+path it replaces (attention/paged.py: SDPA for a fresh prompt, blocked matmuls over a chunk with
+context), for one layer, at the prompt lengths and contexts a prefill meets.
+
+The cache is random, its blocks scattered as a busy pool's are; the two paths run interleaved call
+by call, so a slow spell of the machine lands on both, and each figure is the median of
+`--iterations` calls after one warm-up. GFLOP/s counts the causal products only: 4 * heads *
+head_dim per (query, key it sees). "max diff" is the largest absolute difference between the two
+outputs (they sum in different orders).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+
+import torch
+
+from pagedserve.benchmarks.matmul import cpu_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cases", default="200+0,512+0,2000+0,200+300,512+1536",
+                        help="comma-separated TOKENS+CONTEXT chunks: query tokens, and the "
+                             "tokens cached before them")
+    parser.add_argument("--heads", default="9/3", help="query heads / KV heads (SmolLM2's)")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iterations", type=int, default=9)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads (default: torch's)")
+
+
+def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
+            dtype: torch.dtype, block_size: int, iterations: int, seed: int = 0) -> list[dict]:
+    """One record per (tokens, context): median ms of "kernel" and "torch", the max difference."""
+    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve.attention.paged import gathered_prefill_attention
+    from pagedserve.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None:
+        raise RuntimeError("the compiled CPU kernels are unavailable (see `pagedserve serve`'s "
+                           "log for why)")
+    served = (ops.prefill_attention_f32_supported() if dtype == torch.float32
+              else ops.prefill_attention_supported() and head_dim in (64, 128))
+    if not served:
+        raise RuntimeError(f"this build's prefill kernel does not take {dtype} at head_dim "
+                           f"{head_dim} on this CPU")
+    generator = torch.Generator().manual_seed(seed)
+    records = []
+    for tokens, context in cases:
+        seq_len = context + tokens
+        num_blocks = 2 * (-(-seq_len // block_size)) + 1
+        shape = (kv_heads, num_blocks, block_size, head_dim)
+        key_cache = torch.randn(shape, generator=generator).to(dtype)
+        value_cache = torch.randn(shape, generator=generator).to(dtype)
+        table = torch.randperm(num_blocks - 1, generator=generator)[: -(-seq_len // block_size)] + 1
+        q = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
+        scale = head_dim ** -0.5
+        meta = AttentionMetadata(
+            num_decodes=0, query_start_loc=[0, tokens], context_lens=[context],
+            seq_lens=[seq_len], slot_mapping=torch.zeros(tokens, dtype=torch.long),
+            block_table=table[None], decode_seq_lens=torch.zeros(0, dtype=torch.long),
+            kv_caches=[(key_cache, value_cache)])
+        calls = {
+            "kernel": partial(ops.prefill_attention, q, key_cache, value_cache, table, context,
+                              scale),
+            "torch": partial(gathered_prefill_attention, q, (key_cache, value_cache), meta, 0,
+                             scale),
+        }
+        diff = (calls["kernel"]().float() - calls["torch"]().float()).abs().max().item()
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(iterations):
+            for name, call in calls.items():
+                started = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - started)
+        records.append({"tokens": tokens, "context": context, "max_diff": diff, "ms": {
+            name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}})
+    return records
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    cases = [tuple(int(v) for v in case.split("+")) for case in args.cases.split(",")]
+    heads, kv_heads = (int(v) for v in args.heads.split("/"))
+    records = measure(cases, heads, kv_heads, args.head_dim, DTYPES[args.dtype],
+                      args.block_size, args.iterations)
+    print(f"{cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}, {heads} heads / "
+          f"{kv_heads} KV heads x {args.head_dim}; one layer, median of {args.iterations} calls, "
+          f"ms (GFLOP/s)")
+    print(f"{'tokens':>7}{'context':>9}{'kernel':>18}{'torch':>18}{'torch / kernel':>16}"
+          f"{'max diff':>11}")
+    for record in records:
+        tokens, context = record["tokens"], record["context"]
+        seen = tokens * context + tokens * (tokens + 1) // 2  # (query, key) pairs, causal
+        flop = 4 * heads * args.head_dim * seen
+        ms = record["ms"]
+        cells = "".join(f" {ms[name]:>9.3f} ({flop / ms[name] / 1e6:>5.0f})"
+                        for name in ("kernel", "torch"))
+        print(f"{tokens:>7}{context:>9}{cells}{ms['torch'] / ms['kernel']:>15.2f}x"
+              f"{record['max_diff']:>11.1e}")
+    return 0
