@@ -13,12 +13,11 @@ outputs (they sum in different orders).
 from __future__ import annotations
 
 import argparse
-import time
 from functools import partial
 
 import torch
 
-from pagedserve.benchmarks.matmul import cpu_model
+from pagedserve.benchmarks.matmul import cpu_model, median_ms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -75,14 +74,8 @@ def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: i
                              scale),
         }
         diff = (calls["kernel"]().float() - calls["torch"]().float()).abs().max().item()
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(iterations):
-            for name, call in calls.items():
-                started = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - started)
-        records.append({"tokens": tokens, "context": context, "max_diff": diff, "ms": {
-            name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}})
+        records.append({"tokens": tokens, "context": context, "max_diff": diff,
+                        "ms": median_ms(calls, iterations)})
     return records
 
 

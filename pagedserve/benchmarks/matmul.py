@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -107,17 +108,22 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], qtype: str, iteratio
                     if not torch.equal(calls[f"base {mode}"](), calls[mode]()):
                         raise RuntimeError(f"the baseline kernels' {mode} product differs from "
                                            f"this build's at {m} rows, {n} x {k}")
-            times: dict[str, list[float]] = {mode: [] for mode in calls}
-            for call in calls.values():
-                call()  # warm-up
-            for _ in range(iterations):
-                for mode, call in calls.items():
-                    started = time.perf_counter()
-                    call()
-                    times[mode].append(time.perf_counter() - started)
-            records.append({"n": n, "k": k, "rows": m, "ms": {
-                mode: 1e3 * sorted(t)[len(t) // 2] for mode, t in times.items()}})
+            records.append({"n": n, "k": k, "rows": m, "ms": median_ms(calls, iterations)})
     return records
+
+
+def median_ms(calls: dict[str, Callable[[], object]], iterations: int) -> dict[str, float]:
+    """Each call's median milliseconds over `iterations` rounds after one warm-up, the calls
+    interleaved within each round (a slow spell of the machine lands on all of them)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(iterations):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - started)
+    return {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def main(args: argparse.Namespace) -> int:
