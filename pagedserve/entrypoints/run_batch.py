@@ -199,11 +199,9 @@ def _read_lines(path: str) -> list[str]:
 
 
 async def _run(args: argparse.Namespace, lines: list[str], output: IO[str]) -> list[dict]:
-    from pagedserve.engine.async_llm import AsyncLLM
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.async_llm import AsyncLLM, load_engine
 
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    async_llm = AsyncLLM(engine)
+    async_llm = AsyncLLM(load_engine(EngineArgs.from_cli_args(args), warm_up=False))
     try:
         serving = OpenAIServing(async_llm, args.served_model_name or args.model)
         # Nothing reads stored responses back in a batch: keep the store minimal.

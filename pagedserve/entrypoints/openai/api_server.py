@@ -29,8 +29,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedserve
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.async_llm import AsyncLLM
-from pagedserve.engine.llm_engine import EngineBusyError, LLMEngine
+from pagedserve.engine.async_llm import AsyncLLM, load_engine
+from pagedserve.engine.llm_engine import EngineBusyError
 from pagedserve.executor import ExecutorError
 from pagedserve.executor.multiproc import run_headless
 from pagedserve.entrypoints import vllm_flags
@@ -609,8 +609,9 @@ def run_server(args: argparse.Namespace) -> int:
         return run_headless(engine_args.create_parallel_config())
     config = ServerConfig.from_cli_args(args)
     log_stats = [] if args.disable_log_stats else [LoggingStatLogger(args.log_stats_interval)]
-    engine = LLMEngine.from_engine_args(engine_args)
-    engine.warm_up()  # before the server listens: /health is 200 only once it is done
+    # Loaded and warmed up (before the server listens: /health is 200 only once it is done) in a
+    # thread of its own: this one must run no torch parallel region (see load_engine).
+    engine = load_engine(engine_args)
     speculative = engine.config.speculative
     stat_logger = PrometheusStatLogger(
         config.served_model_name, max_model_len=engine.config.scheduler.max_model_len,
