@@ -3,12 +3,12 @@
 The kernels read the cache in place: decodes and short chunks (a sequence's at most
 KERNEL_MAX_TOKENS queries of a step) through `paged_attention`, longer prefill chunks through
 `prefill_attention`: bf16 on AVX512-BF16 (2-3x the torch paths), fp32 on AVX2 + FMA with a plain
-fp32 cache (csrc/prefill_attention_f32.h; 1.4-2x torch's SDPA, Zen 3). Where a step's shape is not
-theirs the torch functions of attention/paged.py run, exactly as that backend would: queries whose
-heads are not dense, prefill chunks whose dtype, cache or head_dim the prefill kernels do not
-take, and layers with a sliding window in steps where the window hides some key (the kernels know
-no windows; while every sequence of the step fits in the window, it changes nothing and the
-kernels serve).
+fp32 cache (csrc/prefill_attention_f32.h; 1.36-3.1x the torch paths on AMD EPYC Zen 3,
+`pagedserve bench attention`). Where a step's shape is not theirs the torch functions of
+attention/paged.py run, exactly as that backend would: queries whose heads are not dense, prefill
+chunks whose dtype, cache or head_dim the prefill kernels do not take, and layers with a sliding
+window in steps where the window hides some key (the kernels know no windows; while every
+sequence of the step fits in the window, it changes nothing and the kernels serve).
 
 A quantized cache (int8 / fp8 codes, fp16 scales: attention/kv_cache.py) goes to the same kernels:
 its scales ride along as the last arguments (`*scales`, empty for a plain cache), the kernels

@@ -38,7 +38,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
             dtype: torch.dtype, block_size: int, iterations: int, seed: int = 0) -> list[dict]:
     """One record per (tokens, context): median ms of "kernel" and "torch", the max difference."""
-    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve.attention.metadata import build_attention_metadata
     from pagedserve.attention.paged import gathered_prefill_attention
     from pagedserve.kernels import cpu_ops
 
@@ -62,11 +62,8 @@ def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: i
         table = torch.randperm(num_blocks - 1, generator=generator)[: -(-seq_len // block_size)] + 1
         q = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
         scale = head_dim ** -0.5
-        meta = AttentionMetadata(
-            num_decodes=0, query_start_loc=[0, tokens], context_lens=[context],
-            seq_lens=[seq_len], slot_mapping=torch.zeros(tokens, dtype=torch.long),
-            block_table=table[None], decode_seq_lens=torch.zeros(0, dtype=torch.long),
-            kv_caches=[(key_cache, value_cache)])
+        meta = build_attention_metadata([(table.tolist(), context, seq_len)], block_size,
+                                        [(key_cache, value_cache)], torch.device("cpu"))
         calls = {
             "kernel": partial(ops.prefill_attention, q, key_cache, value_cache, table, context,
                               scale),
