@@ -31,7 +31,7 @@ serves the codes) does a layer keep its dense bf16 weight beside them, for input
 TORCH_INT4_MAX_ROWS rows.
 
 In fp32 (on the CPU, with the compiled kernels) a layer whose shards all pack keeps only its codes
-and runs every row count on them, its activations quantized per 32-element group to int16 by
+and runs every row count on them, its activations quantized per 32-element group to int8 by
 default (--activation-quantization, see quantized.py `activation_bits_for`). In the exact mode
 (none) the kernel dequantizes each weight exactly (the dense model's value, bit for bit) and sums
 in fp32, so the computation is the dense one up to summation order, with a sixth of the bytes to
@@ -310,7 +310,7 @@ class VocabEmbedding(nn.Module):
 
     Loaded from GGUF codes with the compiled kernels (fp32 or bf16), the table is held as those
     codes alone (`packed_table`): lookups dequantize their rows. The tied head multiplies by the
-    codes (this rank's rows): in fp32 for every row count (int16 activations by default); in
+    codes (this rank's rows): in fp32 for every row count (int8 activations by default); in
     bf16 with int8 activations (HEAD_ACTIVATION_BITS) for inputs of at most packed_head_max_rows
     rows (decode steps), where it is several times faster, and by the dense product above.
     Without the compiled kernels the dense table is held, and in bf16 the tied head runs torch's
@@ -380,8 +380,8 @@ class VocabEmbedding(nn.Module):
             _check_shape(codes, self.weight.shape)
         if codes is not None and quantize is None and dtype in (torch.float32, torch.bfloat16):
             if self.serves_as_head:
-                # bf16: int8 activations by default (HEAD_ACTIVATION_BITS); fp32: None where the
-                # exact mode would not be vectorized
+                # int8 activations by default (HEAD_ACTIVATION_BITS, FP32_ACTIVATION_BITS); fp32:
+                # None where the exact mode would not be vectorized
                 self.packed_head = packed_weight(codes, dtype, head=True)
                 self.dense_head_above_max_rows = dtype != torch.float32
                 if isinstance(self.packed_head, GroupQuantizedWeight):

@@ -210,24 +210,32 @@ class Int4PackedWeight(torch.nn.Module):
 
 
 ACTIVATION_BITS = 16
-"""int16 activations in the layers by default; 8 trades accuracy for speed (see
-GroupQuantizedWeight)."""
+"""bf16's decoder layers take int16 activations by default (8 would trade accuracy for speed, see
+GroupQuantizedWeight; not measured on a bf16 CPU since the min-term fix below)."""
 HEAD_ACTIVATION_BITS = 8
 """A tied output head on its GGUF codes in bf16 takes int8 activations: on SmolLM2-135M it is
 1.6-1.7x the int16 speed at 1 to 32 rows (AMD EPYC Zen 4), and the perplexity on the shipped text
-moved from 19.91 to 19.85 (fp32: 19.82). The decoder layers keep int16: all of them in int8 cost
-+2.4% perplexity in bf16, +0.8% in fp32, with greedy outputs far from fp32's
-(tests/models/test_quantized_model.py bounds each mode)."""
+moved from 19.91 to 19.85 (fp32: 19.82)."""
+FP32_ACTIVATION_BITS = 8
+"""fp32 (the compute dtype of CPUs without native bf16) takes int8 activations in every layer and
+the head by default, where the integer kernel is vectorized. Measured on SmolLM2-135M, AMD EPYC
+Zen 3 (AVX2), against the exact fp32 engine (tests/models/test_quantized_model.py):
+- quality: perplexity on the shipped text -0.43% (int16: -0.00%); teacher-forced on it, the
+  exact engine's top token kept at 94.5% of positions (int16: 100%), the text's tokens' logprobs
+  0.09 nats from the exact ones on average (int16: 0.0004); greedy tokens equal before the first
+  divergence 372 of 640 (int16: 640), on 20 prompts x 32 tokens;
+- speed, int8 against int16 in one process (interleaved, 3 rounds): 32 x 200-token prompts with
+  128 new tokens 1.28x the output tok/s, a 2,000-token prefill 1.28x, batch 1 1.15x.
+int8 lost much more before its group sums came from the quantized activations (csrc/cpu_ops.cpp,
+above QuantizedRows): 0.21 nats of mean |logprob| drift against 0.09 now."""
 EXACT_ACTIVATION_BITS = 32
 """The kernel's exact mode: activations as they are, the weights dequantized exactly (the dense
 model's values, bit for bit) and multiplied in fp32 (see GroupQuantizedWeight)."""
 # --activation-quantization (KernelConfig.activation_quantization), for matmuls on GGUF codes by
 # the compiled kernels:
-#   auto   int16 activations (ACTIVATION_BITS), in bf16 int8 in a tied head
-#          (HEAD_ACTIVATION_BITS); in fp32 exact instead where this build's integer kernel is not
-#          vectorized. fp32 keeps int16 in the head: int8 there moved greedy tokens at near-ties
-#          (580 of 640 equal to the exact engine's, against 640 of 640 with int16; the first
-#          token of "What is the capital of France?" flipped) for ~7% of a batch-32 decode step
+#   auto   in fp32 int8 everywhere (FP32_ACTIVATION_BITS), or the exact mode where this build's
+#          integer kernel is not vectorized; in bf16 int16 in the layers (ACTIVATION_BITS) and
+#          int8 in a tied head (HEAD_ACTIVATION_BITS)
 #   none   exact (EXACT_ACTIVATION_BITS): in fp32 the dense model's computation up to summation
 #          order, the reference the others are measured against
 #   int16 / int8: those bits in every layer and the head.
@@ -242,9 +250,9 @@ def activation_bits_for(mode: str, dtype: torch.dtype, ops, head: bool = False) 
         return EXACT_ACTIVATION_BITS
     if mode != "auto":
         return int(mode.removeprefix("int"))
-    if dtype == torch.float32 and not ops.integer_linear_vectorized():
-        return EXACT_ACTIVATION_BITS
-    return HEAD_ACTIVATION_BITS if head and dtype == torch.bfloat16 else ACTIVATION_BITS
+    if dtype == torch.float32:
+        return FP32_ACTIVATION_BITS if ops.integer_linear_vectorized() else EXACT_ACTIVATION_BITS
+    return HEAD_ACTIVATION_BITS if head else ACTIVATION_BITS
 
 
 def vnni_layout(weight: GGUFQuantWeight, ops=None
@@ -296,7 +304,7 @@ class GroupQuantizedWeight(torch.nn.Module):
     as GGUF groups (`scale * code + min`): 4-bit codes take half a byte, Q8_0 codes one byte (no
     split). How the activations meet them depends on the compute dtype:
 
-    - int16 / int8 (activation_bits 16 / 8; int16 in the layers by default, see
+    - int16 / int8 (activation_bits 16 / 8; by default int8 in fp32, int16 in bf16's layers, see
       activation_bits_for):
       they are quantized per 32-element group on the fly (int16 within ~1e-5 of the exact
       product; int8 as llama.cpp does), and VNNI (or AVX2's dot products) multiplies the two in

@@ -17,6 +17,7 @@ import pytest
 from tests.entrypoints.utils import MODEL_NAME
 from tests.kv_transfer.test_tiers import DOC
 from tests.processes import ServedProcess, free_port, metric
+from tests.shared_engines import SUITE_ACTIVATION_QUANTIZATION
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,10 @@ LONG_DOC = (Path(__file__).parents[1] / "data" / "declaration_of_independence.tx
 def server_args(port: int, kv_port: int, role: str, **options) -> list[str]:
     config = {"kv_connector": "TcpConnector", "kv_role": role,
               "kv_connector_extra_config": {"port": kv_port, **options}}
+    # int16 activations, as the one engine compared with (tests/shared_engines.py): the decode
+    # instance computes the last prompt token alone, in another summation order
     return ["serve", MODEL_NAME, "--port", str(port), "--dtype", "float32",
+            "--activation-quantization", SUITE_ACTIVATION_QUANTIZATION,
             "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--num-threads", "1",
             "--log-level", "warning", "--kv-transfer-config", json.dumps(config)]
 

@@ -18,6 +18,7 @@ from pagedserve.engine.llm import LLM
 from pagedserve.executor import ExecutorError
 from pagedserve.sampling_params import SamplingParams
 from tests.cpu import NATIVE_BF16
+from tests.shared_engines import SUITE_ACTIVATION_QUANTIZATION
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,6 +69,8 @@ def llama_dir(make_tiny_dir) -> str:
 
 def generate(model: str, prompts=PROMPTS, params=GREEDY, **engine_args) -> tuple[list, LLM]:
     engine_args.setdefault("dtype", "float32")
+    # TP adds its ranks' partial sums in another order: see SUITE_ACTIVATION_QUANTIZATION
+    engine_args.setdefault("activation_quantization", SUITE_ACTIVATION_QUANTIZATION)
     engine_args.setdefault("kv_cache_memory", "32MiB")
     llm = LLM(model=model, max_num_batched_tokens=64, max_num_seqs=8, **engine_args)
     try:

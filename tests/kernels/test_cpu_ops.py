@@ -35,9 +35,8 @@ pytestmark = pytest.mark.skipif(ops is None, reason="the compiled CPU kernels ar
 
 
 def reference_quant_linear(x: torch.Tensor, weight, activation_bits: int) -> torch.Tensor:
-    """The kernel's arithmetic in torch: x quantized per 32-group to int16/int8 levels; the code
-    part uses the quantized x, the min part the group sums of x (of the quantized x for Q8_0,
-    whose stored min is the -128 * scale shift)."""
+    """The kernel's arithmetic in torch: x quantized per 32-group to int16/int8 levels, times the
+    dequantized weights (the code part and the min part both take the quantized x)."""
     levels = 32767 if activation_bits == 16 else 127
     m, k = x.shape
     xg = x.double().view(m, k // 32, 32)
@@ -45,11 +44,7 @@ def reference_quant_linear(x: torch.Tensor, weight, activation_bits: int) -> tor
     scale = (amax / levels).float().double()
     inv = torch.where(amax > 0, (levels / amax.float()).double(), torch.zeros_like(amax))
     xq = (xg.float() * inv.float()).double().round().clamp(-levels, levels) * scale
-    if weight.qtype == GQT.Q8_0:
-        return (xq.view(m, k) @ weight.dequantize().double().t()).float()
-    codes = weight.codes.double().view(-1, k // 32, 32) * weight.scales.double()[..., None]
-    code_part = torch.einsum("mgk,ngk->mn", xq, codes)
-    return (code_part + xg.sum(-1) @ weight.mins.double().t()).float()
+    return (xq.view(m, k) @ weight.dequantize().double().t()).float()
 
 
 @pytest.mark.parametrize("activation_bits", [16, 8])

@@ -188,10 +188,10 @@ def test_fp32_layer_keeps_only_its_codes_and_multiplies_exactly():
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the compiled CPU kernels are unavailable")
-@pytest.mark.parametrize("mode,bits", [("auto", 16), ("int16", 16), ("int8", 8)])
+@pytest.mark.parametrize("mode,bits", [("auto", 8), ("int16", 16), ("int8", 8)])
 def test_fp32_layer_quantizes_its_activations_as_configured(mode, bits):
-    """fp32 layers on the codes take int16 activations by default (where the integer kernel is
-    vectorized), int8 on request: within that quantization's error of the exact product, and a
+    """fp32 layers on the codes take int8 activations by default (where the integer kernel is
+    vectorized), int16 on request: within that quantization's error of the exact product, and a
     row's result the same bits in any batch."""
     k = 256
     weight = decode_gguf_blocks(synthetic_blocks(GQT.Q4_1, 48, k, 5), GQT.Q4_1, (48, k))
@@ -258,9 +258,9 @@ def test_activation_quantization_modes():
             assert activation_bits_for("none", dtype, build) == 32
             assert activation_bits_for("int16", dtype, build, head=True) == 16
             assert activation_bits_for("int8", dtype, build) == 8
-        head_bits = 8 if dtype == torch.bfloat16 else 16  # int8 in the head: bf16 only
+        layer_bits = 8 if dtype == torch.float32 else 16  # int8 in bf16's head only
         assert (activation_bits_for("auto", dtype, Build(True)),
-                activation_bits_for("auto", dtype, Build(True), head=True)) == (16, head_bits)
+                activation_bits_for("auto", dtype, Build(True), head=True)) == (layer_bits, 8)
     # fp32 keeps the exact mode where the integer kernel would run its portable loops
     assert activation_bits_for("auto", torch.float32, Build(False), head=True) == 32
     assert activation_bits_for("auto", torch.bfloat16, Build(False), head=True) == 8

@@ -20,7 +20,7 @@ TOP_N = 5
 @pytest.mark.parametrize("activation_quantization", ["none", "auto"])
 def test_greedy_matches_transformers(make_llm, tokenizer, hf_default_model, activation_quantization):
     """The exact mode (the GGUF's weights, fp32 activations) must give transformers' greedy tokens
-    everywhere; the default (auto: int16 activations, where the integer kernel is vectorized)
+    everywhere; the default (auto: in fp32 int8 activations, where the integer kernel is vectorized)
     may part from them only at near-ties."""
     prompt_ids = [tokenizer.encode(p) for p in PARITY_PROMPTS]
     lengths = sorted(len(ids) for ids in prompt_ids)

@@ -320,7 +320,8 @@ def test_gguf_experts_load_like_the_hf_weights(tmp_path, architecture):
 def test_gguf_experts_run_on_their_codes(tmp_path, expert_qtype):
     """Served from a GGUF in fp32 (--quantization auto), every expert multiplies by its codes,
     exactly (the dequantized values, fp32 sums), with no stacked dense copy kept: the greedy
-    tokens and the expert load equal those of the same file dequantized (--quantization none)."""
+    tokens and the expert load equal those of the same file dequantized (--quantization none),
+    both with exact activations (--activation-quantization none)."""
     from pagedserve.engine.llm import LLM
     from pagedserve.kernels import cpu_ops
     from pagedserve.layers.moe import FusedExperts
@@ -336,7 +337,8 @@ def test_gguf_experts_run_on_their_codes(tmp_path, expert_qtype):
     write_moe_gguf(path, "mixtral", hf_model, expert_qtype)
     tokens, expert_load = {}, {}
     for quantization in ("auto", "none"):
-        llm = _llm(path, quantization=quantization, enable_prefix_caching=False)
+        llm = _llm(path, quantization=quantization, enable_prefix_caching=False,
+                   activation_quantization="none")
         model = llm.engine.executor.worker.model_runner.model
         experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
         assert len(experts) == 2

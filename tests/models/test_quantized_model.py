@@ -69,7 +69,8 @@ def test_default_engine_holds_its_weights_once(make_llm, model_path):
     Q8_0 embedding that is also the head. The default engine's weights stay within 1.3x the
     GGUF's tensor bytes (a dense bf16 copy beside the codes made it ~4x)."""
     for dtype in ("bfloat16", "float32"):
-        model = make_llm(dtype=dtype).engine.executor.worker.model_runner.model
+        model = make_llm(dtype=dtype, activation_quantization="auto")
+        model = model.engine.executor.worker.model_runner.model
         gate_up = model.model.layers[0].mlp.gate_up_proj
         assert gate_up.weight is None and gate_up.dense_above_max_rows == (dtype == "bfloat16")
         table = model.model.embed_tokens
@@ -77,10 +78,11 @@ def test_default_engine_holds_its_weights_once(make_llm, model_path):
         if dtype == "bfloat16":
             bits = (16, 8)
         else:  # fp32: the exact mode where the integer kernel is not vectorized
-            bits = (16, 16) if gate_up.packed._ops.integer_linear_vectorized() else (32, 32)
+            bits = (8, 8) if gate_up.packed._ops.integer_linear_vectorized() else (32, 32)
         assert (gate_up.packed.activation_bits, table.packed_head.activation_bits) == bits
 
-    default = make_llm()  # --dtype auto: bf16 where the CPU computes it natively, else fp32
+    # --dtype auto: bf16 where the CPU computes it natively, else fp32
+    default = make_llm(activation_quantization="auto")
     parts = model_bytes(default.engine.executor.worker.model_runner.model)
     gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(model_path).tensors)
     assert parts["weights_dense"] < 1 << 20  # the norms
@@ -136,15 +138,21 @@ def text_ids(tokenizer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def fp32_perplexity(model_path, tokenizer, text_ids) -> float:
-    """The exact fp32 engine's perplexity on TEXT (the GGUF's weights, fp32 activations and sums):
-    the reference of every test below, computed once."""
+def exact_text_logprobs(model_path, tokenizer, text_ids) -> list[float]:
+    """The exact fp32 engine's logprob of each token of TEXT given those before it (the GGUF's
+    weights, fp32 activations and sums): the reference of every test below, computed once."""
     llm = shared_weights_llm(model_path, tokenizer, activation_quantization="none")
     try:
-        return _perplexity(llm, text_ids)
+        [logprobs] = _teacher_forced_logprobs(llm, [text_ids], [1])
+        return logprobs
     finally:
         llm.engine.assert_idle()
         llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fp32_perplexity(exact_text_logprobs) -> float:
+    return math.exp(-statistics.mean(exact_text_logprobs))
 
 
 @BF16_IS_THE_DEFAULT
@@ -160,27 +168,34 @@ def test_perplexity_within_one_percent_of_fp32(make_llm, text_ids, fp32_perplexi
     assert abs(default_mix / reference - 1) < 0.01, (default_mix, reference)
 
 
-FP32_AGREEMENT_FLOOR = {"auto": 0.9, "int16": 0.9, "int8": 0.0}
+FP32_DRIFT_BOUND = {"auto": 0.15, "int16": 0.005, "int8": 0.15}
+"""Mean |logprob - exact logprob| of TEXT's tokens, teacher-forced, at most (nats). Measured (AMD
+EPYC Zen 3, AVX2): int16 0.0004, int8 0.0935; int8 was 0.21 when the kernel took the exact sum of
+the activations in its min term (csrc/cpu_ops.cpp, above QuantizedRows)."""
+FP32_AGREEMENT_FLOOR = {"auto": 0.4, "int16": 0.9, "int8": 0.4}
 """Greedy tokens equal to the exact fp32 engine's before the first divergence, at least (of 20
-prompts x 32 tokens). Measured (AMD EPYC Zen 3, AVX2): int16 (auto's fp32 mode) 640/640; with an
-int8 head (bf16's auto) 580/640 (16 prompts identical); int8 everywhere 278-302/640 (3-5 prompts,
-moving with the thread count and the prefill attention's rounding): int8 is reported, not
-bounded."""
+prompts x 32 tokens). Measured (AMD EPYC Zen 3, AVX2): int16 640/640; int8 everywhere (auto's fp32
+mode) 372/640 (7 prompts identical), 278-302/640 before the kernel's group sums came from the
+quantized activations. One near-tie flipped early ends a prompt's count, so int8's floor leaves
+room; its teacher-forced drift is the steadier measure (FP32_DRIFT_BOUND)."""
 
 
 @pytest.mark.parametrize("mode", ["auto", "int16", "int8"])
 def test_fp32_activation_quantization_keeps_quality(make_llm, tokenizer, text_ids,
-                                                     fp32_perplexity, mode):
+                                                     exact_text_logprobs, mode):
     """fp32 on the GGUF codes with quantized activations (--activation-quantization; auto, the
-    default: int16 everywhere in fp32) against the exact fp32 engine:
-    perplexity on the shipped text within 1%, greedy agreement reported (and bounded where
-    it is the default's)."""
+    default: int8 everywhere in fp32) against the exact fp32 engine:
+    perplexity on the shipped text within 1%, its tokens' logprobs near the exact ones, greedy
+    agreement reported (and bounded loosely)."""
     llm = make_llm(activation_quantization=mode)
     head = llm.engine.executor.worker.model_runner.model.model.embed_tokens.packed_head
     if not head._ops.integer_linear_vectorized() and mode == "auto":
         pytest.skip("auto is the exact mode where this build's integer kernel is not vectorized")
-    assert head.activation_bits == (8 if mode == "int8" else 16)
-    perplexity = _perplexity(llm, text_ids)
+    assert head.activation_bits == (16 if mode == "int16" else 8)
+    [logprobs] = _teacher_forced_logprobs(llm, [text_ids], [1])
+    perplexity = math.exp(-statistics.mean(logprobs))
+    fp32_perplexity = math.exp(-statistics.mean(exact_text_logprobs))
+    drift = statistics.mean(abs(a - b) for a, b in zip(logprobs, exact_text_logprobs))
 
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
@@ -193,16 +208,12 @@ def test_fp32_activation_quantization_keeps_quality(make_llm, tokenizer, text_id
         for r, q in zip(exact, quantized_outputs)
     ]
     print(f"\nfp32, activations {mode}: perplexity {perplexity:.4f} against exact "
-          f"{fp32_perplexity:.4f} ({perplexity / fp32_perplexity - 1:+.2%}); greedy tokens "
+          f"{fp32_perplexity:.4f} ({perplexity / fp32_perplexity - 1:+.2%}), mean |logprob drift| "
+          f"{drift:.4f}; greedy tokens "
           f"agreeing before the first divergence {sum(agreeing)} of {len(agreeing) * NUM_NEW_TOKENS}"
           f" ({sum(a == NUM_NEW_TOKENS for a in agreeing)} of {len(agreeing)} prompts identical)")
-    if mode == "int8":
-        # int8's perplexity here moves with any rounding upstream (-0.10% with torch's SDPA in
-        # prefill, -1.48% with the fp32 prefill kernel, +0.78% on another thread count): bounded
-        # against losing quality, not against landing lower by chance.
-        assert perplexity / fp32_perplexity - 1 < 0.01, (perplexity, fp32_perplexity)
-    else:
-        assert abs(perplexity / fp32_perplexity - 1) < 0.01, (perplexity, fp32_perplexity)
+    assert abs(perplexity / fp32_perplexity - 1) < 0.01, (perplexity, fp32_perplexity)
+    assert drift < FP32_DRIFT_BOUND[mode], drift
     assert sum(agreeing) >= FP32_AGREEMENT_FLOOR[mode] * len(agreeing) * NUM_NEW_TOKENS, agreeing
 
 
