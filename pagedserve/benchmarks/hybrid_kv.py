@@ -45,11 +45,12 @@ def compare_hybrid_kv(args: argparse.Namespace, engine_args: EngineArgs) -> dict
     load_average_start = os.getloadavg()[0]
     runs: dict[str, dict[str, Any]] = {}
     output_ids: dict[str, list[list[int]]] = {}
-    workload = model_path = None
+    workload = model_path = dtype = None
     for key, _, disable in RUNS:
         llm = LLM(**{**vars(engine_args), "disable_hybrid_kv_cache_manager": disable})
         if workload is None:
             model_path = llm.engine.config.model_path
+            dtype = llm.engine.config.device.dtype  # --dtype auto as the engine resolved it
             workload = make_workload(args, llm.get_tokenizer().vocab_size)
         manager = llm.engine.scheduler.kv_cache_manager
         _warm_up(llm, None)
@@ -77,7 +78,7 @@ def compare_hybrid_kv(args: argparse.Namespace, engine_args: EngineArgs) -> dict
         del llm  # free the KV pool before the next engine is made
         gc.collect()
 
-    config = _config(args, engine_args, workload, model_path, load_average_start)
+    config = _config(args, engine_args, workload, model_path, dtype, load_average_start)
     config.update(block_size=engine_args.block_size, load_average_1min_end=os.getloadavg()[0])
     one, per_group = runs["one_group"], runs["per_layer_group"]
     return {

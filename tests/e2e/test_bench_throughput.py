@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from pagedserve.benchmarks import throughput
+from pagedserve.benchmarks import hybrid_kv, throughput
 from pagedserve.models.loader import DEFAULT_MODEL
 
 
@@ -31,6 +31,7 @@ def run_bench(make_llm, monkeypatch):
         return make_llm(**engine_kwargs)
 
     monkeypatch.setattr(throughput, "LLM", llm_over_shared_weights)
+    monkeypatch.setattr(hybrid_kv, "LLM", llm_over_shared_weights)
 
     def run(*flags: str) -> dict:
         parser = argparse.ArgumentParser()
@@ -256,3 +257,21 @@ def test_event_stream_cost_is_measured_in_one_invocation(run_bench, capsys):
     assert events["num_events"] > 0 and events["subscriber_seconds"] > 0
     assert 0 < events["measured_cost_share"] < 1
     assert "event stream observed vs not, 2 rounds" in capsys.readouterr().out
+
+
+def test_hybrid_kv_comparison_runs_on_a_model_without_windows(run_bench, capsys):
+    """--compare-no-hybrid-kv on a model with one KV cache group (no sliding windows): both
+    engines hold the same blocks and give the same greedy outputs. (It called _config wrongly
+    and raised, untested, until this test. Windowed models' KV groups: tests/models/test_gemma3.py.)
+    """
+    result = run_bench("--num-prompts", "2", "--input-len", "32", "--output-len", "8",
+                       "--compare-no-hybrid-kv")
+    compared = result["hybrid_kv"]
+    assert result["config"]["dtype"] == "float32"
+    for key in ("one_group", "per_layer_group"):
+        run = compared[key]
+        assert run["kv_cache_group_windows"] == [None] and run["window_freed_blocks"] == 0
+        assert run["peak_used_blocks"] > 0 and run["output_tokens_per_s"] > 0
+    assert compared["peak_kv_bytes_ratio"] == compared["final_kv_bytes_ratio"] == 1.0
+    assert compared["same_outputs"]
+    assert "greedy outputs equal" in capsys.readouterr().out
