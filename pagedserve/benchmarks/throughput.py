@@ -28,6 +28,10 @@ from typing import Any
 
 import torch
 
+from pagedserve.benchmarks.activation_modes import (
+    compare_activation_quantization,
+    format_activation_table,
+)
 from pagedserve.benchmarks.datasets import (
     NUM_SPECIAL_MARGIN,
     Workload,
@@ -39,6 +43,7 @@ from pagedserve.benchmarks.datasets import (
 from pagedserve.benchmarks.hybrid_kv import compare_hybrid_kv, format_hybrid_kv_table
 from pagedserve.benchmarks.serve import percentile
 from pagedserve.benchmarks.step_profile import format_profile, profile_steps
+from pagedserve.config import ACTIVATION_QUANTIZATION_MODES
 from pagedserve.core.stats import SpecDecodingStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
@@ -82,6 +87,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                             "and with one block table for every layer "
                             "(--disable-hybrid-kv-cache-manager); report the peak KV held per "
                             "request, throughput and whether the outputs agree")
+    group.add_argument("--compare-activation-quantization", default=None, metavar="MODE",
+                       choices=ACTIVATION_QUANTIZATION_MODES,
+                       help="also load an engine whose matmuls on GGUF codes take activations "
+                            "as MODE says (auto, none, int16, int8), run the two alternately "
+                            "three times each and print the ratios of the medians "
+                            "(benchmarks/activation_modes.py)")
     group.add_argument("--compare-events", type=int, default=0, metavar="ROUNDS",
                        help="after the run, run the batch ROUNDS more times with the event "
                             "stream observed (a timeline store subscribed, as the server does) "
@@ -381,6 +392,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_no_prefix_cache:
         result = compare_prefix_cache(args, engine_args)
         _emit(result, format_prefix_cache_table(result), args.output_json)
+        return result
+    if args.compare_activation_quantization:
+        result = compare_activation_quantization(args, engine_args)
+        _emit(result, format_activation_table(result), args.output_json)
         return result
     load_average_start = os.getloadavg()[0]
     load_start = time.monotonic()

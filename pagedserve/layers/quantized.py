@@ -224,9 +224,9 @@ Zen 3 (AVX2), against the exact fp32 engine (tests/models/test_quantized_model.p
   exact engine's top token kept at 94.5% of positions (int16: 100%), the text's tokens' logprobs
   0.09 nats from the exact ones on average (int16: 0.0004); greedy tokens equal before the first
   divergence 372 of 640 (int16: 640), on 20 prompts x 32 tokens;
-- speed against int16: 1.39-1.48x per matmul at 32 and 2,048 rows (`bench matmul`); whole runs
-  (`bench throughput`, alternating, two rounds) 1.11-1.25x the output tok/s of 32 x 200-token
-  prompts with 128 new tokens, a 2,000-token prefill 1.08-1.35x, batch 1 0.99-1.05x.
+- speed against int16: 1.39-1.48x per matmul at 32 and 2,048 rows (`bench matmul`); in whole
+  runs (`bench throughput --compare-activation-quantization int16`) 1.25x the output tok/s of 32
+  x 200-token prompts with 128 new tokens, 1.21x a 2,000-token prefill, 0.98x batch-1 decode.
 int8 lost much more before its group sums came from the quantized activations (csrc/cpu_ops.cpp,
 above QuantizedRows): 0.21 nats of mean |logprob| drift against 0.09 now."""
 EXACT_ACTIVATION_BITS = 32

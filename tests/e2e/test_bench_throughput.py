@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from pagedserve.benchmarks import hybrid_kv, throughput
+from pagedserve.benchmarks import activation_modes, hybrid_kv, throughput
 from pagedserve.models.loader import DEFAULT_MODEL
 
 
@@ -32,6 +32,7 @@ def run_bench(make_llm, monkeypatch):
 
     monkeypatch.setattr(throughput, "LLM", llm_over_shared_weights)
     monkeypatch.setattr(hybrid_kv, "LLM", llm_over_shared_weights)
+    monkeypatch.setattr(activation_modes, "LLM", llm_over_shared_weights)
 
     def run(*flags: str) -> dict:
         parser = argparse.ArgumentParser()
@@ -275,3 +276,37 @@ def test_hybrid_kv_comparison_runs_on_a_model_without_windows(run_bench, capsys)
     assert compared["peak_kv_bytes_ratio"] == compared["final_kv_bytes_ratio"] == 1.0
     assert compared["same_outputs"]
     assert "greedy outputs equal" in capsys.readouterr().out
+
+
+def test_activation_modes_compared_in_turns(run_bench, capsys):
+    """--compare-activation-quantization: both engines loaded, three runs each in turn, the
+    ratios those of the medians; in fp32 auto is int8 where the integer kernel is vectorized."""
+    result = run_bench("--num-prompts", "2", "--input-len", "32", "--output-len", "8",
+                       "--compare-activation-quantization", "int16")
+    compared = result["activation_quantization"]
+    assert compared["modes"] == {"ours": "auto", "other": "int16"}
+    vectorized = compared["activation_bits"]["ours"] == 8
+    assert compared["activation_bits"]["other"] == 16
+    assert compared["activation_bits"]["ours"] in (8, 32)  # 32: the exact mode (not vectorized)
+    for key in ("ours", "other"):
+        runs = compared["runs"][key]
+        assert len(runs) == activation_modes.ROUNDS
+        assert all(run["num_output_tokens"] == 2 * 8 and run["prefix_cache_hits"] == 0
+                   for run in runs)  # every run cold, all its tokens generated
+        median = compared["medians"][key]["output_tokens_per_s"]
+        assert median == sorted(run["output_tokens_per_s"] for run in runs)[1]
+    assert compared["ratios"]["output_tokens_per_s"] == pytest.approx(
+        compared["medians"]["ours"]["output_tokens_per_s"]
+        / compared["medians"]["other"]["output_tokens_per_s"])
+    assert 0 <= compared["num_outputs_identical"] <= compared["num_outputs"] == 2
+    out = capsys.readouterr().out
+    assert "greedy outputs identical" in out and ("8-bit" in out or not vectorized)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compare-activation-quantization", "auto"], "this run's own"),
+    (["--compare-activation-quantization", "int8", "--profile"], "runs on its own, without --profile"),
+])
+def test_activation_mode_comparison_rejects_what_it_cannot_compare(run_bench, flags, message):
+    with pytest.raises(ValueError, match=message):
+        run_bench("--num-prompts", "1", *flags)
