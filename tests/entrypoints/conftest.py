@@ -17,6 +17,7 @@ from tests.entrypoints.utils import (
     MODEL_NAME,
     serving,
 )
+from tests.shared_engines import SUITE_ACTIVATION_QUANTIZATION
 
 
 @pytest.fixture(scope="package")
@@ -27,8 +28,13 @@ def server(model_path, tokenizer):
     from pagedserve.entrypoints.openai.api_server import ServerConfig, build_app
     from pagedserve.metrics import PrometheusStatLogger
 
+    # int16 activations (tests/shared_engines.py): the modules compare answers to the same
+    # prompt, and whether a request finds its prefix cached (so which kernel computes its last
+    # tokens) depends on which modules ran before on this worker
     config = EngineArgs(model=model_path, dtype="float32", kv_cache_memory="256MiB",
-                        max_model_len=MAX_MODEL_LEN).create_engine_config()
+                        max_model_len=MAX_MODEL_LEN,
+                        activation_quantization=SUITE_ACTIVATION_QUANTIZATION,
+                        ).create_engine_config()
     stat_logger = PrometheusStatLogger(MODEL_NAME, max_model_len=MAX_MODEL_LEN)
     async_llm = AsyncLLM(LLMEngine(config, tokenizer=tokenizer), [stat_logger])
     server_config = ServerConfig(served_model_name=MODEL_NAME, api_key=API_KEY,

@@ -123,8 +123,8 @@ def test_prompt_logprobs_equal_the_offline_engines(http, tokenizer, make_llm):
     positions = choice["prompt_logprobs"]
     prompt_ids = tokenizer.encode(PROMPT)
     assert len(positions) == len(prompt_ids) and positions[0] is None
-    offline = make_llm(activation_quantization="auto").generate(  # the server's default
-        [PROMPT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=num_top))[0]
+    offline = make_llm().generate([PROMPT], SamplingParams(temperature=0, max_tokens=1,
+                                                           prompt_logprobs=num_top))[0]
     for token_id, served, expected in zip(prompt_ids[1:], positions[1:],
                                           offline.prompt_logprobs[1:]):
         assert str(token_id) in served and len(served) <= num_top + 1
