@@ -208,9 +208,10 @@ inline __m256 exp256(__m256 x) {
 // Quantized linear, weights kept in the GGUF group form (per 32 elements along K:
 // w = scale * code + min) and multiplied by integer dot products (AVX-512 VNNI):
 // the activations are quantized on the fly per 32-element group, xq = round(x / dx), to int16
-// (dx = absmax / 32767: the default, within ~1e-5 of the activations) or to int8 (dx = absmax /
-// 127, as llama.cpp does: faster, measurably less accurate; opt-in). Each group's
-// sum of code * xq is exact in int32 (vpdpwssd: pairs of int16; vpdpbusd: quads of u8 x s8):
+// (dx = absmax / 32767: within ~1e-5 of the activations; bf16's default) or to int8
+// (dx = absmax / 127, as llama.cpp does: faster, less accurate; fp32's default, see
+// layers/quantized.py). Each group's sum of code * xq is exact in int32 (vpdpwssd: pairs of
+// int16; vpdpbusd: quads of u8 x s8):
 //   y[m, n] = sum_g ( scale[n, g] * dx[m, g] * sum_k code * xq  +  min[n, g] * xsum[m, g] )
 // xsum is dx * sum(xq), the group's sum of the quantized activations, so y is exactly the
 // dequantized weights times the quantized activations:
