@@ -20,15 +20,17 @@ import pytest
 
 from tests.entrypoints.utils import MODEL_NAME
 from tests.processes import child_pids, free_port
+from tests.shared_engines import SUITE_ACTIVATION_QUANTIZATION
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).parents[2]
 SERVE = [sys.executable, "-m", "pagedserve.entrypoints.openai.api_server"]
-# int16 activations: -tp adds its ranks' partial sums in another order than one process, which
-# fp32's default int8 can turn into another token (tests/shared_engines.py)
+# The suite's int16 activations: -tp adds its ranks' partial sums in another order than one
+# process, which fp32's default int8 can turn into another token (tests/shared_engines.py)
 COMMON_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "2048",
-                "--activation-quantization", "int16", "--log-level", "warning"]
+                "--activation-quantization", SUITE_ACTIVATION_QUANTIZATION,
+                "--log-level", "warning"]
 
 
 def start(args: list[str], log_path: Path) -> subprocess.Popen:

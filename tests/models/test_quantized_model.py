@@ -59,9 +59,18 @@ def _teacher_forced_logprobs(llm, sequences: list[list[int]], num_prompt: list[i
     ]
 
 
-def _perplexity(llm, token_ids: list[int]) -> float:
+def _text_logprobs(llm, token_ids: list[int]) -> list[float]:
+    """Each token's logprob given those before it (the first token's excepted)."""
     [logprobs] = _teacher_forced_logprobs(llm, [token_ids], [1])
+    return logprobs
+
+
+def _perplexity_of(logprobs: list[float]) -> float:
     return math.exp(-statistics.mean(logprobs))
+
+
+def _perplexity(llm, token_ids: list[int]) -> float:
+    return _perplexity_of(_text_logprobs(llm, token_ids))
 
 
 def test_default_engine_holds_its_weights_once(make_llm, model_path):
@@ -143,8 +152,7 @@ def exact_text_logprobs(model_path, tokenizer, text_ids) -> list[float]:
     weights, fp32 activations and sums): the reference of every test below, computed once."""
     llm = shared_weights_llm(model_path, tokenizer, activation_quantization="none")
     try:
-        [logprobs] = _teacher_forced_logprobs(llm, [text_ids], [1])
-        return logprobs
+        return _text_logprobs(llm, text_ids)
     finally:
         llm.engine.assert_idle()
         llm.engine.shutdown()
@@ -152,7 +160,7 @@ def exact_text_logprobs(model_path, tokenizer, text_ids) -> list[float]:
 
 @pytest.fixture(scope="module")
 def fp32_perplexity(exact_text_logprobs) -> float:
-    return math.exp(-statistics.mean(exact_text_logprobs))
+    return _perplexity_of(exact_text_logprobs)
 
 
 @BF16_IS_THE_DEFAULT
@@ -182,7 +190,8 @@ room; its teacher-forced drift is the steadier measure (FP32_DRIFT_BOUND)."""
 
 @pytest.mark.parametrize("mode", ["auto", "int16", "int8"])
 def test_fp32_activation_quantization_keeps_quality(make_llm, tokenizer, text_ids,
-                                                     exact_text_logprobs, mode):
+                                                     exact_text_logprobs, fp32_perplexity,
+                                                     mode):
     """fp32 on the GGUF codes with quantized activations (--activation-quantization; auto, the
     default: int8 everywhere in fp32) against the exact fp32 engine:
     perplexity on the shipped text within 1%, its tokens' logprobs near the exact ones, greedy
@@ -192,9 +201,8 @@ def test_fp32_activation_quantization_keeps_quality(make_llm, tokenizer, text_id
     if not head._ops.integer_linear_vectorized() and mode == "auto":
         pytest.skip("auto is the exact mode where this build's integer kernel is not vectorized")
     assert head.activation_bits == (16 if mode == "int16" else 8)
-    [logprobs] = _teacher_forced_logprobs(llm, [text_ids], [1])
-    perplexity = math.exp(-statistics.mean(logprobs))
-    fp32_perplexity = math.exp(-statistics.mean(exact_text_logprobs))
+    logprobs = _text_logprobs(llm, text_ids)
+    perplexity = _perplexity_of(logprobs)
     drift = statistics.mean(abs(a - b) for a, b in zip(logprobs, exact_text_logprobs))
 
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
