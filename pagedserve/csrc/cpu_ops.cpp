@@ -237,6 +237,7 @@ struct QuantizedRows {
   std::vector<float> scale;  // [rows, G]: dx
   std::vector<float> sum;    // [rows, G]: xsum (see above)
   std::vector<int32_t> qsum;  // [rows, G]: sum(xq), for the AVX2 form of 8-bit weights
+  std::vector<float> outlier_x;  // [rows, outliers]: the outlier channels' activations (see below)
 };
 
 template <typename Q>
@@ -260,15 +261,34 @@ inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* s
   }
 }
 
+// Outlier channels: a few input channels (OutlierChannels, chosen per layer at load from the
+// activations of a calibration text, pagedserve/layers/outliers.py) whose values are much larger
+// than their group's others. They are taken out of the quantized rows (set to 0 before the group
+// scales are found, so the rest of their groups keep their resolution) and multiplied exactly
+// instead: y[r][n] += sum_j x[r][channel j] * w_j[n], by fp32 FMAs, j in order, w_j the
+// dequantized weights of channel j rounded to fp16 (fp32 would add a tenth to the bytes a
+// 576-wide 4-bit layer reads per row), after the integer sums and before the bias.
+struct OutlierChannels {
+  const int64_t* channels = nullptr;      // [count], ascending
+  const c10::Half* weights = nullptr;     // [count, N padded to 16]: w_j[n]
+  int64_t count = 0, stride = 0;
+};
+
 template <typename Q, typename T>
-QuantizedRows<Q> quantize_rows(const T* x, int64_t rows, int64_t k) {
+QuantizedRows<Q> quantize_rows(const T* x, int64_t rows, int64_t k,
+                               const OutlierChannels& outliers = {}) {
   const int64_t groups = k / kGroup;
   QuantizedRows<Q> out{std::vector<Q>(rows * k), std::vector<float>(rows * groups),
-                       std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
+                       std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups),
+                       std::vector<float>(rows * outliers.count)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(k);
     for (int64_t r = begin; r < end; ++r) {
       widen_row(x + r * k, row.data(), k);
+      for (int64_t j = 0; j < outliers.count; ++j) {
+        out.outlier_x[r * outliers.count + j] = row[outliers.channels[j]];
+        row[outliers.channels[j]] = 0.f;
+      }
       quantize_row(row.data(), k, out.q.data() + r * k,
                    out.scale.data() + r * groups, out.sum.data() + r * groups,
                    out.qsum.data() + r * groups);
@@ -618,9 +638,40 @@ constexpr bool kIntegerPanels = false;
 constexpr int64_t kPanelMinRows = 0, kPanelTile = 1;
 #endif
 
+// tile[0..15] += one row's outlier products (x: its outlier activations) for the columns
+// col0..col0 + 15: one FMA per channel and column, channels in order, in every form.
+inline void add_outliers(const OutlierChannels& outliers, const float* x, int64_t col0,
+                         float* tile) {
+  const c10::Half* w = outliers.weights + col0;
+#if defined(PAGEDSERVE_AVX512)
+  __m512 acc = _mm512_loadu_ps(tile);
+  for (int64_t j = 0; j < outliers.count; ++j, w += outliers.stride)
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(x[j]),
+                          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))),
+                          acc);
+  _mm512_storeu_ps(tile, acc);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  __m256 lo = _mm256_loadu_ps(tile), hi = _mm256_loadu_ps(tile + 8);
+  for (int64_t j = 0; j < outliers.count; ++j, w += outliers.stride) {
+    const __m256 xj = _mm256_set1_ps(x[j]);
+    lo = _mm256_fmadd_ps(xj, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))),
+                         lo);
+    hi = _mm256_fmadd_ps(
+        xj, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8))), hi);
+  }
+  _mm256_storeu_ps(tile, lo);
+  _mm256_storeu_ps(tile + 8, hi);
+#else
+  for (int64_t j = 0; j < outliers.count; ++j, w += outliers.stride)
+    for (int col = 0; col < 16; ++col)
+      tile[col] = std::fma(x[j], static_cast<float>(w[col]), tile[col]);
+#endif
+}
+
 template <int kBits, typename Q, typename S, typename T>
 void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, const uint8_t* codes,
-                       const S* scales, const S* mins, const T* bias, int64_t n, T* y) {
+                       const S* scales, const S* mins, const T* bias, int64_t n, T* y,
+                       const OutlierChannels& outliers) {
   const int64_t groups = k / kGroup;
   const int64_t blocks = (n + 15) / 16;
   const int64_t block_code_bytes = groups * (kBits == 4 ? 4 : 8) * 64;
@@ -660,6 +711,9 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
                                    xr.qsum.data() + r * groups, k, tile);
           }
           for (int i = 0; i < tile_rows; ++i) {
+            if (outliers.count)
+              add_outliers(outliers, xr.outlier_x.data() + (r + i) * outliers.count, col0,
+                           tile + i * 16);
             if (bias) {
               for (int64_t col = 0; col < cols; ++col) tile[i * 16 + col] += to_float(bias[col0 + col]);
             }
@@ -674,14 +728,15 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
 template <typename Q, typename T>
 void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
                            const uint8_t* codes, const torch::Tensor& scales,
-                           const torch::Tensor& mins, const T* bias, int64_t n, T* y) {
-  const QuantizedRows<Q> xr = quantize_rows<Q>(x, rows, k);
+                           const torch::Tensor& mins, const T* bias, int64_t n, T* y,
+                           const OutlierChannels& outliers) {
+  const QuantizedRows<Q> xr = quantize_rows<Q>(x, rows, k, outliers);
   auto run = [&](auto* s, auto* m) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
     if (bits == 4) {
-      quant_linear_impl<4, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y);
+      quant_linear_impl<4, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers);
     } else {
-      quant_linear_impl<8, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y);
+      quant_linear_impl<8, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers);
     }
   };
   if (scales.scalar_type() == torch::kFloat32) {
@@ -1053,14 +1108,35 @@ void check_layout(const torch::Tensor& codes, const torch::Tensor& scales,
 
 // x @ W^T for W in the layout above. activation_bits 16 / 8: the activations quantized per group
 // and integer dot products (VNNI); 32: exact weights and fp32 sums (the fp32 compute path).
+// outlier_channels (int64 [count], ascending) and outlier_weights (fp16 [count, N padded to 16]):
+// see OutlierChannels; quantized activations only.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                            torch::Tensor mins, int64_t n, int64_t bits, int64_t activation_bits,
-                           c10::optional<torch::Tensor> bias) {
+                           c10::optional<torch::Tensor> bias,
+                           c10::optional<torch::Tensor> outlier_channels,
+                           c10::optional<torch::Tensor> outlier_weights) {
   TORCH_CHECK(x.dim() == 2, "x must be (rows, K)");
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 32,
               "activation_bits must be 8, 16 or 32 (fp32, exact weights)");
   const int64_t rows = x.size(0), k = x.size(1);
   check_layout(codes, scales, mins, n, k, bits);
+  OutlierChannels outliers;
+  if (outlier_channels && outlier_channels->numel() > 0) {
+    TORCH_CHECK(activation_bits != 32, "outlier channels are for quantized activations");
+    TORCH_CHECK(outlier_weights.has_value(), "outlier channels need their weights");
+    const torch::Tensor& c = *outlier_channels;
+    const torch::Tensor& w = *outlier_weights;
+    TORCH_CHECK(c.dim() == 1 && c.scalar_type() == torch::kInt64 && c.is_contiguous(),
+                "outlier_channels: (count,) int64");
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kHalf && w.is_contiguous() &&
+                    w.size(0) == c.numel() && w.size(1) == (n + 15) / 16 * 16,
+                "outlier_weights: (count, N padded to 16) fp16");
+    const int64_t* ch = c.data_ptr<int64_t>();
+    for (int64_t j = 0; j < c.numel(); ++j)
+      TORCH_CHECK(ch[j] >= 0 && ch[j] < k && (j == 0 || ch[j] > ch[j - 1]),
+                  "outlier channels must be ascending and within K");
+    outliers = OutlierChannels{ch, w.data_ptr<c10::Half>(), c.numel(), w.size(1)};
+  }
   torch::Tensor xc = x.contiguous();
   torch::Tensor y = torch::empty({rows, n}, x.options());
   torch::Tensor b;
@@ -1077,10 +1153,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
                                       n, y.data_ptr<scalar_t>());
     } else if (activation_bits == 8) {
       quant_linear_dispatch<int8_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c, scales, mins, bp,
-                                    n, y.data_ptr<scalar_t>());
+                                    n, y.data_ptr<scalar_t>(), outliers);
     } else {
       quant_linear_dispatch<int16_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c, scales, mins,
-                                     bp, n, y.data_ptr<scalar_t>());
+                                     bp, n, y.data_ptr<scalar_t>(), outliers);
     }
   });
   return y;
@@ -2364,12 +2440,13 @@ struct PackedLinear {
   int64_t out_features, bits, activation_bits;
   bool dense_above_max_rows;
   int64_t packed_max_rows;
+  c10::optional<torch::Tensor> outlier_channels, outlier_weights;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (dense_above_max_rows && x.size(0) > packed_max_rows)  // Linear: F.linear's product
       return dequantize_linear(x, codes, scales, mins, out_features, bits, bias);
     torch::Tensor y = quant_linear(x, codes, scales, mins, out_features, bits, activation_bits,
-                                   c10::nullopt);
+                                   c10::nullopt, outlier_channels, outlier_weights);
     return bias ? y + *bias : y;  // as Linear.forward: the bias added in the compute dtype
   }
 };
@@ -2405,19 +2482,24 @@ class DecoderStack {
         cos_cache_(cos_cache), sin_cache_(sin_cache), final_norm_(final_norm) {}
 
   // linears: (codes, scales, mins, bias or None, out_features, bits, activation_bits,
-  // dense_above_max_rows, packed_max_rows) each
+  // dense_above_max_rows, packed_max_rows, outlier_channels or None, outlier_weights or None)
+  // each
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
                  const std::vector<py::tuple>& linears) {
     TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
     std::vector<PackedLinear> parsed;
     for (const auto& l : linears) {
-      TORCH_CHECK(l.size() == 9, "a linear is 9 fields");
-      c10::optional<torch::Tensor> bias;
-      if (!l[3].is_none()) bias = l[3].cast<torch::Tensor>();
+      TORCH_CHECK(l.size() == 11, "a linear is 11 fields");
+      auto optional_tensor = [&](int i) -> c10::optional<torch::Tensor> {
+        if (l[i].is_none()) return c10::nullopt;
+        return l[i].cast<torch::Tensor>();
+      };
+      const c10::optional<torch::Tensor> bias = optional_tensor(3);
       parsed.push_back(PackedLinear{l[0].cast<torch::Tensor>(), l[1].cast<torch::Tensor>(),
                                     l[2].cast<torch::Tensor>(), bias, l[4].cast<int64_t>(),
                                     l[5].cast<int64_t>(), l[6].cast<int64_t>(),
-                                    l[7].cast<bool>(), l[8].cast<int64_t>()});
+                                    l[7].cast<bool>(), l[8].cast<int64_t>(),
+                                    optional_tensor(9), optional_tensor(10)});
     }
     layers_.push_back(DecoderLayerWeights{input_norm, post_attention_norm, parsed[0], parsed[1],
                                           parsed[2], parsed[3]});
@@ -2488,6 +2570,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("BUILD_ISA") = pagedserve_build_isa();
   m.def("quant_linear", &quant_linear,
         "x @ W^T: GGUF-form 4/8-bit weights; int16/int8 activations, or fp32 exactly (32)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("n"),
+        py::arg("bits"), py::arg("activation_bits"), py::arg("bias") = py::none(),
+        py::arg("outlier_channels") = py::none(), py::arg("outlier_weights") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("exact_linear_vectorized", &exact_linear_vectorized,
         "whether quant_linear's fp32 path (activation_bits 32) is vectorized in this build");

@@ -32,6 +32,7 @@ from pagedserve.engine.warmup import warm_up
 from pagedserve.executor import Executor
 from pagedserve.kv_transfer.cost_model import PrefillProfile, PrefillTiming
 from pagedserve.kv_transfer.tiered import TieredConnectorScheduler, TieredOptions, parse_tiers
+from pagedserve.layers.outliers import CALIBRATION_TOKENS, OUTLIER_CHANNELS, calibration_text
 from pagedserve.lora.peft import AdapterError, PeftAdapter
 from pagedserve.lora.registry import Adapter, LoRARegistry
 from pagedserve.lora.request import LoRARequest
@@ -134,6 +135,8 @@ class LLMEngine:
                             f"{num_blocks * config.cache.block_size} tokens"
                             + _describe_kv_cache_groups(
                                 config.model.kv_cache_layout(config.cache.hybrid_kv_cache)))
+        with startup_phase("outliers") as phase:
+            phase.detail = self._calibrate_outlier_channels(num_blocks)
         self.events = EventBus()
         """Request, step and block events (observability/events.py); subscribe to observe."""
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks=num_blocks,
@@ -180,6 +183,19 @@ class LLMEngine:
         self._sleep_level = 0
         self._profiling = False
         """Between start_profile and stop_profile: steps carry named ranges in the trace."""
+
+    def _calibrate_outlier_channels(self, num_blocks: int) -> str:
+        """Have the workers choose their int8 layers' outlier channels from the calibration text
+        (layers/outliers.py); what was done, for the start-up log."""
+        config = self.config
+        limit = min(CALIBRATION_TOKENS, config.scheduler.max_model_len,
+                    (num_blocks - 1) * config.cache.block_size)
+        token_ids = self.tokenizer.encode(calibration_text())[:limit]
+        layers = self.executor.calibrate_outlier_channels(token_ids)
+        if not layers:
+            return "none (no layer quantizes its activations to int8 here)"
+        return (f"{OUTLIER_CHANNELS} int8 input channels multiplied exactly in each of {layers} "
+                f"layers, chosen on {len(token_ids)} calibration tokens")
 
     def _create_kv_connector(self, options: TieredOptions | None,
                              num_blocks: int) -> TieredConnectorScheduler | None:

@@ -67,6 +67,11 @@ class Executor(abc.ABC):
         the workers before any request runs (the KV tiers' cost model)."""
         raise NotImplementedError(f"{type(self).__name__} cannot time a prefill")
 
+    def calibrate_outlier_channels(self, token_ids: list[int]) -> int:
+        """Every rank chooses its int8 layers' outlier channels from one pass over `token_ids`
+        (layers/outliers.py), before any request runs; the number of layers set on the first."""
+        raise NotImplementedError(f"{type(self).__name__} cannot calibrate")
+
     # ---- sleep mode and weight reload: every rank, only while no request runs -------------
 
     def sleep(self, level: int) -> None:

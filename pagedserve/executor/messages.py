@@ -122,6 +122,13 @@ class UpdateWeights:
 
 
 @dataclass
+class CalibrateOutlierChannels:
+    """Choose the int8 layers' outlier channels from a pass over these tokens (every rank)."""
+
+    token_ids: list[int]
+
+
+@dataclass
 class WorkerReply:
     value: Any = None
 
@@ -134,7 +141,8 @@ class WorkerFailure:
 
 for _cls in (Hello, InitWorker, DetermineNumKVBlocks, InitializeKVCache, ExecuteModel, CheckIdle,
              MemoryReport, ExpertLoad, AddLoRA, RemoveLoRA, StartProfile, StopProfile, ProfileReply,
-             Shutdown, Sleep, WakeUp, UpdateWeights, WorkerReply, WorkerFailure,
+             Shutdown, Sleep, WakeUp, UpdateWeights, CalibrateOutlierChannels, WorkerReply,
+             WorkerFailure,
              config_module.EngineConfig, config_module.ModelConfig, config_module.MoEConfig,
              config_module.CacheConfig, config_module.SchedulerConfig,
              config_module.DeviceConfig, config_module.SpeculativeConfig,

@@ -192,6 +192,10 @@ class MultiprocExecutor(Executor):
     def update_weights(self, model_path: str) -> None:
         self._call(messages.UpdateWeights(model_path), self._all_ranks).result()
 
+    def calibrate_outlier_channels(self, token_ids: list[int]) -> int:
+        replies = self._call(messages.CalibrateOutlierChannels(token_ids), self._all_ranks)
+        return replies.result()[0]
+
     def memory_report(self) -> list[dict]:
         replies = self._call(messages.MemoryReport(), self._all_ranks).result()
         return [replies[rank] for rank in sorted(replies)]

@@ -67,6 +67,9 @@ class UniProcExecutor(Executor):
     def time_prefill(self, num_tokens: int, context_len: int) -> float:
         return self.worker.time_prefill(num_tokens, context_len)
 
+    def calibrate_outlier_channels(self, token_ids: list[int]) -> int:
+        return self.worker.calibrate_outlier_channels(token_ids)
+
     def add_lora(self, lora_int_id: int, lora_path: str) -> None:
         self.worker.add_lora(lora_int_id, lora_path)
 

@@ -68,6 +68,8 @@ def _handle(worker: Worker, message) -> messages.WorkerReply | None:
     if isinstance(message, messages.WakeUp):
         worker.wake_up()
         return messages.WorkerReply()
+    if isinstance(message, messages.CalibrateOutlierChannels):
+        return messages.WorkerReply(worker.calibrate_outlier_channels(message.token_ids))
     if isinstance(message, messages.UpdateWeights):
         worker.update_weights(message.model_path)
         return messages.WorkerReply()

@@ -19,14 +19,17 @@ narrowed to the rank's part still packed, set aside on the parameter, and
 `process_weights_after_loading` packs the whole layer for the int4 kernel when every shard is
 packable, else dequantizes into the dense weight (the slow reference).
 
-In bf16 a packed layer picks its product per call by the number of rows. The compiled VNNI
-kernel (`GroupQuantizedWeight`) reads a quarter of the bytes, so it wins while the matmul is
-bound by memory (3-4x dense bf16 at 1 row, ahead up to ~128 rows) and falls behind in
-prefill, where dense bf16 runs near the CPU's peak. Above PACKED_MAX_ROWS the layer therefore
-runs torch's dense matmul on its weights dequantized from the codes per call
+In bf16 the compiled VNNI kernel (`GroupQuantizedWeight`) reads a quarter of the bytes. With
+int8 activations (bf16's default, quantized.py `activation_bits_for`) it also beats the dense
+product at every row count, so the layer runs on its codes alone: on SmolLM2's layers (AMD EPYC
+Zen 4, 2 threads, with outlier channels) 1.13-1.25x less time than torch's dense bf16 matmul on
+weights dequantized per call at 2,048 rows, 1.3-1.5x at 128. With int16 activations it wins
+only while the matmul is bound by memory (3-4x dense bf16 at 1 row, ahead up to ~128 rows) and
+falls behind in prefill, where dense bf16 runs near the CPU's peak: above PACKED_MAX_ROWS such
+a layer runs torch's dense matmul on its weights dequantized from the codes per call
 (`GroupQuantizedWeight.dense_product`): bitwise the dense layer's output, with no dense copy
-held. The dequantization is the price: on SmolLM2's layers (AMD EPYC Zen 4) level with a held
-dense copy at 2,048 rows, a quarter more time at 256. Only where the compiled kernels are missing (torch's int4 kernel
+held. The dequantization is the price: level with a held dense copy at 2,048 rows, a quarter
+more time at 256. Only where the compiled kernels are missing (torch's int4 kernel
 serves the codes) does a layer keep its dense bf16 weight beside them, for inputs of more than
 TORCH_INT4_MAX_ROWS rows.
 
@@ -120,8 +123,9 @@ class Linear(nn.Module):
         self.packed: nn.Module | None = None
         """Set when the layer also runs on GGUF codes (for inputs of at most PACKED_MAX_ROWS)."""
         self.dense_above_max_rows = False
-        """True when the layer holds only its codes (weight None) in bf16, and multiplies inputs
-        of more than PACKED_MAX_ROWS rows by its dequantized weights (the dense product)."""
+        """True when the layer holds only its codes (weight None) in bf16 with int16 or exact
+        activations, and multiplies inputs of more than PACKED_MAX_ROWS rows by its dequantized
+        weights (the dense product)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
@@ -160,7 +164,10 @@ class Linear(nn.Module):
             self.packed = packed_weight(merged, dtype)  # fp32: None where not vectorized
             if isinstance(self.packed, GroupQuantizedWeight):  # the codes alone
                 self.weight = None
-                self.dense_above_max_rows = dtype == torch.bfloat16
+                # int8 activations beat the dense product at every row count (see the module
+                # doc); int16 and exact ones fall behind it in bf16's prefill.
+                self.dense_above_max_rows = (dtype == torch.bfloat16
+                                             and self.packed.activation_bits != 8)
                 return
         for shard_id, weight in pending.items():
             slices[shard_id].copy_(weight.dequantize())

@@ -209,17 +209,27 @@ class Int4PackedWeight(torch.nn.Module):
         return y.view(*leading, self.out_features)
 
 
-ACTIVATION_BITS = 16
-"""bf16's decoder layers take int16 activations by default (8 would trade accuracy for speed, see
-GroupQuantizedWeight; not measured on a bf16 CPU since the min-term fix below)."""
+ACTIVATION_BITS = 8
+"""bf16's decoder layers take int8 activations by default, each layer's 16 outlier input channels
+multiplied exactly (layers/outliers.py), every row count on the codes. Measured on SmolLM2-135M,
+AMD EPYC Zen 4, against the exact fp32 engine (tests/models/test_quantized_model.py): perplexity
+on the shipped text -0.51% (int16: +0.43%; int8 without outlier channels -1.04%, outside the 1%
+bound), mean |logprob drift| 0.078 nats (int16 0.054, most of it bf16's own rounding), greedy
+tokens equal before the first divergence 466 of 640 (int16 458). Against int16 (whose layers
+run the dense product above PACKED_MAX_ROWS), `bench throughput --compare-activation-quantization
+int16`: 1.27x the output tok/s of 32 x 200-token prompts with 128 new tokens (decode 1.36x,
+prefill 1.13x), 1.10x a 2,000-token prefill, 0.90-0.96x batch-1 decode (8 channels then)."""
 HEAD_ACTIVATION_BITS = 8
 """A tied output head on its GGUF codes in bf16 takes int8 activations: on SmolLM2-135M it is
 1.6-1.7x the int16 speed at 1 to 32 rows (AMD EPYC Zen 4), and the perplexity on the shipped text
 moved from 19.91 to 19.85 (fp32: 19.82)."""
 FP32_ACTIVATION_BITS = 8
 """fp32 (the compute dtype of CPUs without native bf16) takes int8 activations in every layer and
-the head by default, where the integer kernel is vectorized. Measured on SmolLM2-135M, AMD EPYC
-Zen 3 (AVX2), against the exact fp32 engine (tests/models/test_quantized_model.py):
+the head by default, where the integer kernel is vectorized. With 16 outlier input channels per
+layer multiplied exactly (layers/outliers.py; AMD EPYC Zen 4): perplexity on the shipped text
+-0.33%, mean |logprob drift| 0.062 nats, greedy agreement 505 of 640. Before them, measured on
+SmolLM2-135M, AMD EPYC Zen 3 (AVX2), against the exact fp32 engine
+(tests/models/test_quantized_model.py):
 - quality: perplexity on the shipped text -0.43% (int16: -0.00%); teacher-forced on it, the
   exact engine's top token kept at 94.5% of positions (int16: 100%), the text's tokens' logprobs
   0.09 nats from the exact ones on average (int16: 0.0004); greedy tokens equal before the first
@@ -235,8 +245,8 @@ model's values, bit for bit) and multiplied in fp32 (see GroupQuantizedWeight)."
 # --activation-quantization (KernelConfig.activation_quantization), for matmuls on GGUF codes by
 # the compiled kernels:
 #   auto   in fp32 int8 everywhere (FP32_ACTIVATION_BITS), or the exact mode where this build's
-#          integer kernel is not vectorized; in bf16 int16 in the layers (ACTIVATION_BITS) and
-#          int8 in a tied head (HEAD_ACTIVATION_BITS)
+#          integer kernel is not vectorized; in bf16 int8 in the layers (ACTIVATION_BITS) and
+#          in a tied head (HEAD_ACTIVATION_BITS)
 #   none   exact (EXACT_ACTIVATION_BITS): in fp32 the dense model's computation up to summation
 #          order, the reference the others are measured against
 #   int16 / int8: those bits in every layer and the head.
@@ -305,8 +315,8 @@ class GroupQuantizedWeight(torch.nn.Module):
     as GGUF groups (`scale * code + min`): 4-bit codes take half a byte, Q8_0 codes one byte (no
     split). How the activations meet them depends on the compute dtype:
 
-    - int16 / int8 (activation_bits 16 / 8; by default int8 in fp32, int16 in bf16's layers, see
-      activation_bits_for):
+    - int16 / int8 (activation_bits 16 / 8; int8 by default, see activation_bits_for; int8
+      layers multiply a few outlier input channels exactly, layers/outliers.py):
       they are quantized per 32-element group on the fly (int16 within ~1e-5 of the exact
       product; int8 as llama.cpp does), and VNNI (or AVX2's dot products) multiplies the two in
       exact integer sums.
@@ -333,6 +343,26 @@ class GroupQuantizedWeight(torch.nn.Module):
         if activation_bits is None:
             activation_bits = EXACT_ACTIVATION_BITS if dtype == torch.float32 else ACTIVATION_BITS
         self.activation_bits = activation_bits
+        self.outlier_channels: torch.Tensor | None = None
+        """Input channels multiplied exactly instead of quantized (int64, ascending; None: none):
+        set by layers/outliers.py from a calibration text, int8 activations only."""
+        self.outlier_weights: torch.Tensor | None = None
+        """Their dequantized weights in fp16, [channels, N padded to 16]."""
+
+    def set_outlier_channels(self, channels: torch.Tensor | None) -> None:
+        """Multiply input `channels` exactly from now on (None or empty: none): the kernel takes
+        them out of the quantized activations and adds x[:, c] * W[:, c] by fp32 FMAs, W's
+        columns rounded to fp16 (csrc: OutlierChannels)."""
+        if channels is None or channels.numel() == 0:
+            self.outlier_channels = self.outlier_weights = None
+            return
+        channels = torch.unique(channels.to(torch.int64))  # ascending
+        dense = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        self.dequantize_into(dense)
+        padded = -(-self.out_features // 16) * 16
+        weights = torch.zeros(channels.numel(), padded, dtype=torch.float16)
+        weights[:, :self.out_features] = dense[:, channels].t().to(torch.float16)
+        self.outlier_channels, self.outlier_weights = channels.contiguous(), weights
 
     def dequantize_into(self, out: torch.Tensor) -> None:
         """Write the weights as dense rows into out ([N, K] fp32 or bf16, contiguous): the
@@ -360,7 +390,8 @@ class GroupQuantizedWeight(torch.nn.Module):
         leading = x.shape[:-1]
         y = self._ops.quant_linear(x.reshape(-1, x.shape[-1]), self.codes, self.scales,
                                    self.mins, self.out_features, self.bits,
-                                   self.activation_bits, None)
+                                   self.activation_bits, None, self.outlier_channels,
+                                   self.outlier_weights)
         return y.view(*leading, self.out_features)
 
 

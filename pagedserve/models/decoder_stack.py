@@ -54,7 +54,8 @@ def _packed_args(linear: Linear) -> tuple | None:
         return None
     return (packed.codes, packed.scales, packed.mins, linear.bias, packed.out_features,
             packed.bits, packed.activation_bits, linear.dense_above_max_rows,
-            linear_layers.PACKED_MAX_ROWS)  # read when built, as Linear reads it when called
+            linear_layers.PACKED_MAX_ROWS,  # read when built, as Linear reads it when called
+            packed.outlier_channels, packed.outlier_weights)
 
 
 def implements(layer) -> bool:

@@ -262,6 +262,10 @@ class LlamaModel(StagedDecoder):
         """The stack's kernels know no windows: it serves only steps whose sequences all fit in
         every layer's window (where a window changes nothing)."""
 
+    def invalidate_decoder_stack(self) -> None:
+        """Build the stack again on its next use (it copies what it reads from the layers)."""
+        self._stack = False
+
     def _decoder_stack(self) -> object | None:
         if self._stack is False:  # built on first use: the weights are final by then
             self._stack = build_decoder_stack(self, self._kernels)

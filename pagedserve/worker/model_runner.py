@@ -34,6 +34,7 @@ from pagedserve.core.outputs import (
 )
 from pagedserve.distributed import get_pp_group, get_tp_group
 from pagedserve.kv_transfer.base import KVConnectorWorker
+from pagedserve.layers.outliers import calibrate_outlier_channels
 from pagedserve.lora.worker_manager import WorkerLoRAManager
 from pagedserve.observability.memory import model_bytes, resident_bytes, tensors_bytes
 from pagedserve.sample.bitmask import apply_token_bitmask_
@@ -483,23 +484,39 @@ class ModelRunner:
         """Seconds one forward pass over `num_tokens` new tokens after `context_len` cached ones
         takes: the KV tiers' cost model calibrates on it at start-up. Writes junk KV into the
         first blocks, which no request holds yet."""
-        end = context_len + num_tokens
+        input_ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,),
+                                  device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        self._prefill_outside_requests(input_ids, context_len)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def calibrate_outlier_channels(self, token_ids: list[int]) -> int:
+        """Choose the int8 layers' outlier channels from one pass over `token_ids` (the
+        calibration text, layers/outliers.py); the number of layers set. Writes junk KV into
+        the first blocks, which no request holds yet. Not under pipeline parallelism (a stage
+        cannot run alone): 0."""
+        if not self.pp_group.is_first_rank or not self.pp_group.is_last_rank:
+            return 0
+        return calibrate_outlier_channels(self.model, token_ids, lambda ids: (
+            self._prefill_outside_requests(torch.tensor(ids, device=self.device), 0)))
+
+    def _prefill_outside_requests(self, input_ids: torch.Tensor, context_len: int) -> None:
+        """One forward pass over `input_ids` after `context_len` junk cached tokens, its KV
+        written into the first blocks (no request may hold them)."""
+        end = context_len + input_ids.numel()
         block_ids = list(range(1, 1 + -(-end // self.block_size)))
         # (every group in the same blocks: junk KV either way)
         meta = build_grouped_attention_metadata(
             [((block_ids,) * self.num_kv_cache_groups, context_len, end)], self.block_size,
             self.kv_caches, self.device, self.layer_groups)
-        input_ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,),
-                                  device=self.device)
         positions = torch.arange(context_len, end, device=self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
         with forward_context(meta):
             self.model(input_ids, positions, None)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start
 
     # ---- pipeline stages --------------------------------------------------------------------
 

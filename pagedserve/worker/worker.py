@@ -55,6 +55,8 @@ class Worker:
         """The weights' file: update_weights changes it, a level-2 wake_up reloads from it."""
         self.sleep_level = 0
         """0: awake; 1: KV cache freed; 2: KV cache and weights freed (see sleep)."""
+        self.calibration_token_ids: list[int] | None = None
+        """The calibration text's tokens (layers/outliers.py), kept for weights loaded later."""
         self.profiler = (StepProfiler(config.profiler, rank, self.device)
                          if config.profiler is not None else None)
 
@@ -223,6 +225,16 @@ class Worker:
         tiers' cost model, before any request runs)."""
         return self.model_runner.time_prefill(num_tokens, context_len)
 
+    def calibrate_outlier_channels(self, token_ids: list[int]) -> int:
+        """Choose the int8 layers' outlier channels from a pass over `token_ids` (before any
+        request runs; again whenever the weights are loaded anew); the number of layers set."""
+        self.calibration_token_ids = list(token_ids)
+        return self.model_runner.calibrate_outlier_channels(self.calibration_token_ids)
+
+    def _recalibrate(self) -> None:
+        if self.calibration_token_ids:
+            self.model_runner.calibrate_outlier_channels(self.calibration_token_ids)
+
     # ---- steps ------------------------------------------------------------------------------
 
     @property
@@ -297,6 +309,7 @@ class Worker:
             runner.replace_model(self.model)
             with cpu_ops.building_with(self._kernel_config()):  # a separate draft reloads here
                 runner.initialize_kv_cache(runner.num_kv_blocks)
+            self._recalibrate()
         else:
             if self.device.type == "cuda":
                 for model in self._models():
@@ -322,6 +335,7 @@ class Worker:
         model = self._load_weights(model_path)
         self.model_runner.replace_model(model)
         self.model, self.model_path = model, model_path
+        self._recalibrate()  # (the engine has forgotten every cached block)
         release_memory(self.device)
         self.model_runner.capture_cuda_graphs()
 

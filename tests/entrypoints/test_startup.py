@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 HEALTHY_WITHIN_S = 120.0
 """A regression guard, not a benchmark (generous for a loaded machine): a few seconds when quiet;
 53 s before the kernels were built at install and the GGUF header read once."""
-PHASES = ("config", "tokenizer", "kernels", "weights", "KV pool", "warm-up")
+PHASES = ("config", "tokenizer", "kernels", "weights", "KV pool", "outliers", "warm-up")
 """In the order they run; then the server listens."""
 PROMPT_TOKENS = "pagedserve:prompt_tokens_computed_total"
 
@@ -45,6 +45,9 @@ def test_serve_is_healthy_soon_logs_its_phases_and_compiles_nothing(tmp_path):
         kernels_line = next(line for line in log.splitlines() if "startup: kernels" in line)
         if cpu_ops.load() is not None:  # built here, so the server must use them
             assert "C++ CPU kernels" in kernels_line
+            # its int8 layers' outlier channels, chosen on the calibration text (layers/outliers.py)
+            assert re.search(r"outliers .* \d+ int8 input channels multiplied exactly in each of "
+                             r"\d+ layers, chosen on \d+ calibration tokens", log), log
         assert not extensions_dir.exists() or not any(extensions_dir.iterdir())
 
         # The warm-up's tokens are counted nowhere; a real request's are (the metric exists).

@@ -63,6 +63,68 @@ def test_quant_linear_follows_its_arithmetic(qtype, rows, activation_bits):
     assert error < (1e-4 if activation_bits == 16 else 3e-2), error
 
 
+def reference_outlier_quant_linear(x: torch.Tensor, weight, activation_bits: int,
+                                   channels: torch.Tensor) -> torch.Tensor:
+    """The kernel with outlier channels, in torch: those channels zeroed before the rest is
+    quantized as reference_quant_linear does, then multiplied exactly by their weights rounded
+    to fp16 (layers/outliers.py)."""
+    rest = x.clone()
+    rest[:, channels] = 0
+    outlier_weights = weight.dequantize()[:, channels].half().double()
+    return (reference_quant_linear(rest, weight, activation_bits).double()
+            + x[:, channels].double() @ outlier_weights.t()).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation_bits", [16, 8])
+@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+def test_quant_linear_multiplies_outlier_channels_exactly(qtype, activation_bits, dtype):
+    """A few huge input channels (as a layer's massive activations) ruin int8's resolution for
+    the rest of their groups; taken out and multiplied exactly, the product follows its torch
+    reference, lands nearer the exact product, and gives a row the same bits in any batch."""
+    n, k, rows = 40, 288, 21
+    weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k, seed=3), qtype, (n, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    channels = torch.tensor([3, 40, 41, 200])
+    x[:, channels] *= 60.0
+    x = x.to(dtype).float()  # the values a bf16 layer would see
+    plain = GroupQuantizedWeight(weight, ops, dtype, activation_bits)
+    layer = GroupQuantizedWeight(weight, ops, dtype, activation_bits)
+    layer.set_outlier_channels(torch.tensor([200, 3, 41, 40]))  # any order: kept ascending
+    assert layer.outlier_channels.tolist() == [3, 40, 41, 200]
+    y = layer(x.to(dtype)).float()
+    expected = reference_outlier_quant_linear(x, weight, activation_bits, channels)
+    scale = expected.abs().max().item()
+    tolerance = 1e-5 if dtype == torch.float32 else 2.0**-8  # bf16: the output's one rounding
+    torch.testing.assert_close(y, expected, rtol=tolerance, atol=tolerance * scale)
+    if activation_bits == 8:
+        exact = x @ weight.dequantize().t()
+        error, plain_error = ((y - exact).abs().max().item(),
+                              (plain(x.to(dtype)).float() - exact).abs().max().item())
+        assert error < plain_error / 4, (error, plain_error)
+    for part in (slice(0, 1), slice(4, 13)):
+        assert torch.equal(layer(x[part].to(dtype)), layer(x.to(dtype))[part])
+    layer.set_outlier_channels(None)
+    assert torch.equal(layer(x.to(dtype)), plain(x.to(dtype)))
+
+
+def test_quant_linear_refuses_bad_outlier_channels():
+    weight = quantize_weight(torch.randn(40, 64), "int4")
+    layer = GroupQuantizedWeight(weight, ops, torch.float32, 8)
+    layer.set_outlier_channels(torch.tensor([1, 2]))
+    x = torch.randn(2, 64)
+    args = (x, layer.codes, layer.scales, layer.mins, layer.out_features, layer.bits, 8, None)
+    with pytest.raises(RuntimeError, match="ascending and within K"):
+        ops.quant_linear(*args, torch.tensor([2, 1]), layer.outlier_weights)
+    with pytest.raises(RuntimeError, match="ascending and within K"):
+        ops.quant_linear(*args, torch.tensor([1, 64]), layer.outlier_weights)
+    with pytest.raises(RuntimeError, match="fp16"):
+        ops.quant_linear(*args, layer.outlier_channels, layer.outlier_weights.float())
+    with pytest.raises(RuntimeError, match="quantized activations"):
+        ops.quant_linear(x, layer.codes, layer.scales, layer.mins, layer.out_features,
+                         layer.bits, 32, None, layer.outlier_channels, layer.outlier_weights)
+
+
 def test_quant_linear_bf16_rounds_once_and_adds_nothing_for_zero_rows():
     weight = quantize_weight(torch.randn(64, 96), "int4")
     layer = GroupQuantizedWeight(weight, ops)
