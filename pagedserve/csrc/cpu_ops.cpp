@@ -638,33 +638,44 @@ constexpr bool kIntegerPanels = false;
 constexpr int64_t kPanelMinRows = 0, kPanelTile = 1;
 #endif
 
-// tile[0..15] += one row's outlier products (x: its outlier activations) for the columns
-// col0..col0 + 15: one FMA per channel and column, channels in order, in every form.
-inline void add_outliers(const OutlierChannels& outliers, const float* x, int64_t col0,
+// tile[i][0..15] += row i's outlier products for the columns col0..col0 + 15, for the `rows`
+// rows of a tile (x: their outlier activations, [rows][count]): one FMA per channel and column,
+// channels in order, in every form. Each channel's 16 weights are widened once for all rows.
+inline void add_outliers(const OutlierChannels& outliers, const float* x, int rows, int64_t col0,
                          float* tile) {
   const c10::Half* w = outliers.weights + col0;
+  const int64_t count = outliers.count;
 #if defined(PAGEDSERVE_AVX512)
-  __m512 acc = _mm512_loadu_ps(tile);
-  for (int64_t j = 0; j < outliers.count; ++j, w += outliers.stride)
-    acc = _mm512_fmadd_ps(_mm512_set1_ps(x[j]),
-                          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))),
-                          acc);
-  _mm512_storeu_ps(tile, acc);
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  __m256 lo = _mm256_loadu_ps(tile), hi = _mm256_loadu_ps(tile + 8);
-  for (int64_t j = 0; j < outliers.count; ++j, w += outliers.stride) {
-    const __m256 xj = _mm256_set1_ps(x[j]);
-    lo = _mm256_fmadd_ps(xj, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))),
-                         lo);
-    hi = _mm256_fmadd_ps(
-        xj, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8))), hi);
+  __m512 acc[kRowTile];  // a tile has at most kRowTile rows
+  for (int i = 0; i < rows; ++i) acc[i] = _mm512_loadu_ps(tile + i * 16);
+  for (int64_t j = 0; j < count; ++j, w += outliers.stride) {
+    const __m512 wj =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    for (int i = 0; i < rows; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * count + j]), wj, acc[i]);
   }
-  _mm256_storeu_ps(tile, lo);
-  _mm256_storeu_ps(tile + 8, hi);
+  for (int i = 0; i < rows; ++i) _mm512_storeu_ps(tile + i * 16, acc[i]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  for (int i = 0; i < rows; ++i) {  // 2 x 8 rows of accumulators would spill: row by row
+    const float* xi = x + i * count;
+    const c10::Half* wi = w;
+    __m256 lo = _mm256_loadu_ps(tile + i * 16), hi = _mm256_loadu_ps(tile + i * 16 + 8);
+    for (int64_t j = 0; j < count; ++j, wi += outliers.stride) {
+      const __m256 xj = _mm256_set1_ps(xi[j]);
+      lo = _mm256_fmadd_ps(
+          xj, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi))), lo);
+      hi = _mm256_fmadd_ps(
+          xj, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi + 8))), hi);
+    }
+    _mm256_storeu_ps(tile + i * 16, lo);
+    _mm256_storeu_ps(tile + i * 16 + 8, hi);
+  }
 #else
-  for (int64_t j = 0; j < outliers.count; ++j, w += outliers.stride)
-    for (int col = 0; col < 16; ++col)
-      tile[col] = std::fma(x[j], static_cast<float>(w[col]), tile[col]);
+  for (int i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < count; ++j)
+      for (int col = 0; col < 16; ++col)
+        tile[i * 16 + col] = std::fma(x[i * count + j], static_cast<float>(w[j * outliers.stride + col]),
+                                      tile[i * 16 + col]);
 #endif
 }
 
@@ -710,10 +721,10 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
                                    xr.scale.data() + r * groups, xr.sum.data() + r * groups,
                                    xr.qsum.data() + r * groups, k, tile);
           }
+          if (outliers.count)
+            add_outliers(outliers, xr.outlier_x.data() + r * outliers.count, tile_rows, col0,
+                         tile);
           for (int i = 0; i < tile_rows; ++i) {
-            if (outliers.count)
-              add_outliers(outliers, xr.outlier_x.data() + (r + i) * outliers.count, col0,
-                           tile + i * 16);
             if (bias) {
               for (int64_t col = 0; col < cols; ++col) tile[i * 16 + col] += to_float(bias[col0 + col]);
             }

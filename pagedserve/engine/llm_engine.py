@@ -190,7 +190,9 @@ class LLMEngine:
         config = self.config
         limit = min(CALIBRATION_TOKENS, config.scheduler.max_model_len,
                     (num_blocks - 1) * config.cache.block_size)
-        token_ids = self.tokenizer.encode(calibration_text())[:limit]
+        vocab_size = config.model.vocab_size  # (a test's tiny model may have fewer tokens)
+        token_ids = [t for t in self.tokenizer.encode(calibration_text()) if t < vocab_size]
+        token_ids = token_ids[:limit]
         layers = self.executor.calibrate_outlier_channels(token_ids)
         if not layers:
             return "none (no layer quantizes its activations to int8 here)"

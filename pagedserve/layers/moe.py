@@ -194,8 +194,8 @@ class FusedExperts(nn.Module):
         gate_up = [concat_rows([pending[e, "gate"], pending[e, "up"]]) for e in experts]
         if any(merged is None for merged in gate_up):
             return None
-        gate_up_modules = [packed_weight(merged, dtype) for merged in gate_up]
-        down_modules = [packed_weight(pending[e, "down"], dtype) for e in experts]
+        gate_up_modules = [packed_weight(merged, dtype, expert=True) for merged in gate_up]
+        down_modules = [packed_weight(pending[e, "down"], dtype, expert=True) for e in experts]
         if any(module is None for module in (*gate_up_modules, *down_modules)):
             return None
         return nn.ModuleList(gate_up_modules), nn.ModuleList(down_modules)

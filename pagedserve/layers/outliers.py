@@ -48,7 +48,7 @@ weights per output column beside 576 4-bit codes, and 16 FMAs per row and column
 of 32 rows through SmolLM2's layers took ~8% longer than plain int8 with 8 channels (still ~1.4x
 faster than int16)."""
 CALIBRATION_TOKENS = 512
-"""At most this many tokens of the calibration text run (the whole text is ~470 SmolLM2 tokens)."""
+"""At most this many tokens of the calibration text run (the whole text is 560 SmolLM2 tokens)."""
 CALIBRATION_TEXT = pathlib.Path(__file__).parent.parent / "data" / "calibration.txt"
 
 

@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.benchmarks import activation_modes, hybrid_kv, throughput
 from pagedserve.models.loader import DEFAULT_MODEL
+from tests.shared_engines import SUITE_ACTIVATION_QUANTIZATION
 
 
 @pytest.fixture
@@ -37,8 +38,11 @@ def run_bench(make_llm, monkeypatch):
     def run(*flags: str) -> dict:
         parser = argparse.ArgumentParser()
         throughput.add_cli_args(parser)
+        # the suite's activations (tests/shared_engines.py): the feature-on/off comparisons
+        # hold summation-order variants to the same greedy tokens (a test may override it)
         return throughput.main(parser.parse_args(
-            ["--dtype", "float32", "--kv-cache-memory", "256MiB", "--num-threads", "1", *flags]
+            ["--dtype", "float32", "--kv-cache-memory", "256MiB", "--num-threads", "1",
+             "--activation-quantization", SUITE_ACTIVATION_QUANTIZATION, *flags]
         ))
 
     yield run
@@ -66,10 +70,10 @@ def check_ours(result: dict, num_prompts: int, output_len: int) -> dict:
 def test_random_dataset_with_hf_baseline(run_bench, tmp_path, capsys):
     pytest.importorskip("transformers")
     json_path = tmp_path / "result.json"
-    # int16 activations: fp32's default int8 parts from HF at the near-ties of random prompts
+    # (the suite's int16 activations: fp32's default int8 parts from HF at the near-ties of
+    # random prompts)
     result = run_bench("--num-prompts", "4", "--input-len", "16", "--output-len", "8",
-                       "--baseline", "hf", "--output-json", str(json_path),
-                       "--activation-quantization", "int16")
+                       "--baseline", "hf", "--output-json", str(json_path))
     ours = check_ours(result, num_prompts=4, output_len=8)
     assert ours["num_prompt_tokens"] == 4 * 16
     assert ours["prefix_cache_hits"] == 0  # random prompts share nothing
@@ -282,6 +286,7 @@ def test_activation_modes_compared_in_turns(run_bench, capsys):
     """--compare-activation-quantization: both engines loaded, three runs each in turn, the
     ratios those of the medians; in fp32 auto is int8 where the integer kernel is vectorized."""
     result = run_bench("--num-prompts", "2", "--input-len", "32", "--output-len", "8",
+                       "--activation-quantization", "auto",
                        "--compare-activation-quantization", "int16")
     compared = result["activation_quantization"]
     assert compared["modes"] == {"ours": "auto", "other": "int16"}
@@ -304,7 +309,8 @@ def test_activation_modes_compared_in_turns(run_bench, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--compare-activation-quantization", "auto"], "this run's own"),
+    (["--activation-quantization", "auto", "--compare-activation-quantization", "auto"],
+     "this run's own"),
     (["--compare-activation-quantization", "int8", "--profile"], "runs on its own, without --profile"),
 ])
 def test_activation_mode_comparison_rejects_what_it_cannot_compare(run_bench, flags, message):
