@@ -2096,13 +2096,14 @@ void flash_rows(const c10::BFloat16* const* q, const int64_t* visible, const uin
   constexpr int64_t kD = DC * 16, kPairs = kD / 2, kStep = kKeyTile * kTilesPerStep;
   const uint32_t* qw[kRows];
   __m512 acc[kRows][DC];
-  float running_max[kRows], total[kRows];
+  __m512 total[kRows];  // per lane: the sums of the probabilities, reduced once at the end
+  float running_max[kRows];
   int64_t most = 0;
   for (int r = 0; r < kRows; ++r) {
     qw[r] = reinterpret_cast<const uint32_t*>(q[r]);
     for (int c = 0; c < DC; ++c) acc[r][c] = _mm512_setzero_ps();
     running_max[r] = -std::numeric_limits<float>::infinity();
-    total[r] = 0.f;
+    total[r] = _mm512_setzero_ps();
     most = std::max(most, visible[r]);
   }
   const __m512 scale_v = _mm512_set1_ps(scale);
@@ -2132,21 +2133,24 @@ void flash_rows(const c10::BFloat16* const* q, const int64_t* visible, const uin
         s[r][j] = _mm512_mask_blend_ps(keep, minus_inf, _mm512_mul_ps(s[r][j], scale_v));
         step_max = _mm512_max_ps(step_max, s[r][j]);
       }
-      // Every row sees key 0, so its running max is finite from the first step on.
-      const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(step_max));
-      const float alpha = std::exp(running_max[r] - new_max);  // 0 on the first step
-      running_max[r] = new_max;
-      const __m512 max_v = _mm512_set1_ps(new_max);
-      __m512 sum = _mm512_setzero_ps();
+      // The running max moves only when this step holds a larger score (most steps do not, once
+      // the first keys are seen): only then are the sums so far rescaled (by 1 they would not
+      // change). Every row sees key 0, so its running max is finite from the first step on.
+      if (_mm512_cmp_ps_mask(step_max, _mm512_set1_ps(running_max[r]), _CMP_GT_OQ)) {
+        const float new_max = _mm512_reduce_max_ps(step_max);
+        const __m512 alpha_v = _mm512_set1_ps(std::exp(running_max[r] - new_max));  // 0 first
+        running_max[r] = new_max;
+        total[r] = _mm512_mul_ps(total[r], alpha_v);
+        for (int c = 0; c < DC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], alpha_v);
+      }
+      const __m512 max_v = _mm512_set1_ps(running_max[r]);
       for (int j = 0; j < tiles; ++j) {
         const __m512 probs = exp512(_mm512_sub_ps(s[r][j], max_v));  // exp(-inf) = 0
-        sum = _mm512_add_ps(sum, probs);
+        total[r] = _mm512_add_ps(total[r], probs);
+        // rounded to nearest even, as bf16_bits rounds (the probabilities are normal floats)
         _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r] + 8 * j),
-                           _mm512_cvtepi32_epi16(bf16_bits(probs)));
+                           (__m256i)_mm512_cvtneps_pbh(probs));
       }
-      total[r] = total[r] * alpha + _mm512_reduce_add_ps(sum);
-      const __m512 alpha_v = _mm512_set1_ps(alpha);
-      for (int c = 0; c < DC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], alpha_v);
     }
     // p . v for all rows together: each value tile is loaded once for every row.
     const int64_t key_pairs = std::min<int64_t>(kStep, most - first + 1) / 2;
@@ -2160,7 +2164,7 @@ void flash_rows(const c10::BFloat16* const* q, const int64_t* visible, const uin
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / total[r]);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total[r]));
     for (int c = 0; c < DC; ++c) store16(out[r] + 16 * c, _mm512_mul_ps(acc[r][c], inv));
   }
 }
