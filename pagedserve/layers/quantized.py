@@ -215,7 +215,9 @@ multiplied exactly (layers/outliers.py), every row count on the codes. Measured 
 AMD EPYC Zen 4, against the exact fp32 engine (tests/models/test_quantized_model.py): perplexity
 on the shipped text -0.51% (int16: +0.43%; int8 without outlier channels -1.04%, outside the 1%
 bound), mean |logprob drift| 0.078 nats (int16 0.054, most of it bf16's own rounding), greedy
-tokens equal before the first divergence 466 of 640 (int16 458). Against int16 (whose layers
+tokens equal before the first divergence 466 of 640 (int16 458); after the flash prefill
+kernel's softmax change (csrc flash_rows) -0.34%, 0.067 nats, 352 of 640 (greedy agreement moves
+a lot with near-ties: one flipped early ends a prompt's count). Against int16 (whose layers
 run the dense product above PACKED_MAX_ROWS), `bench throughput --compare-activation-quantization
 int16`: 1.27x the output tok/s of 32 x 200-token prompts with 128 new tokens (decode 1.36x,
 prefill 1.13x), 1.10x a 2,000-token prefill, 0.90-0.96x batch-1 decode (8 channels then)."""
