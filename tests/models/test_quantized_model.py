@@ -204,15 +204,25 @@ def test_bf16_activation_quantization_keeps_quality(make_llm, tokenizer, text_id
     gate_up = model.model.layers[0].mlp.gate_up_proj
     assert gate_up.packed.activation_bits == (16 if mode == "int16" else 8)
     assert gate_up.dense_above_max_rows == (mode == "int16")
-    quality = _quality_against_exact(llm, make_llm, tokenizer, text_ids, exact_text_logprobs)
-    perplexity, drift, agreeing = quality
-    print(f"\nbf16, activations {mode}: perplexity {perplexity:.4f} against exact "
-          f"{fp32_perplexity:.4f} ({perplexity / fp32_perplexity - 1:+.2%}), mean |logprob drift| "
-          f"{drift:.4f}; greedy tokens agreeing before the first divergence {sum(agreeing)} of "
-          f"{len(agreeing) * NUM_NEW_TOKENS}")
+    _assert_quality(f"bf16, activations {mode}", llm, make_llm, tokenizer, text_ids,
+                    exact_text_logprobs, fp32_perplexity, BF16_DRIFT_BOUND[mode],
+                    BF16_AGREEMENT_FLOOR[mode])
+
+
+def _assert_quality(label: str, llm, make_llm, tokenizer, text_ids, exact_text_logprobs,
+                    fp32_perplexity: float, drift_bound: float, agreement_floor: float) -> None:
+    """`llm` against the exact fp32 engine: perplexity on TEXT within 1%, mean |logprob drift|
+    below `drift_bound`, greedy agreement at least `agreement_floor` of the tokens (printed)."""
+    perplexity, drift, agreeing = _quality_against_exact(llm, make_llm, tokenizer, text_ids,
+                                                         exact_text_logprobs)
+    print(f"\n{label}: perplexity {perplexity:.4f} against exact {fp32_perplexity:.4f} "
+          f"({perplexity / fp32_perplexity - 1:+.2%}), mean |logprob drift| {drift:.4f}; greedy "
+          f"tokens agreeing before the first divergence {sum(agreeing)} of "
+          f"{len(agreeing) * NUM_NEW_TOKENS} ({sum(a == NUM_NEW_TOKENS for a in agreeing)} of "
+          f"{len(agreeing)} prompts identical)")
     assert abs(perplexity / fp32_perplexity - 1) < 0.01, (perplexity, fp32_perplexity)
-    assert drift < BF16_DRIFT_BOUND[mode], drift
-    assert sum(agreeing) >= BF16_AGREEMENT_FLOOR[mode] * len(agreeing) * NUM_NEW_TOKENS, agreeing
+    assert drift < drift_bound, drift
+    assert sum(agreeing) >= agreement_floor * len(agreeing) * NUM_NEW_TOKENS, agreeing
 
 
 def _quality_against_exact(llm, make_llm, tokenizer, text_ids, exact_text_logprobs
@@ -293,16 +303,9 @@ def test_fp32_activation_quantization_keeps_quality(make_llm, tokenizer, text_id
     if not head._ops.integer_linear_vectorized() and mode == "auto":
         pytest.skip("auto is the exact mode where this build's integer kernel is not vectorized")
     assert head.activation_bits == (16 if mode == "int16" else 8)
-    perplexity, drift, agreeing = _quality_against_exact(llm, make_llm, tokenizer, text_ids,
-                                                         exact_text_logprobs)
-    print(f"\nfp32, activations {mode}: perplexity {perplexity:.4f} against exact "
-          f"{fp32_perplexity:.4f} ({perplexity / fp32_perplexity - 1:+.2%}), mean |logprob drift| "
-          f"{drift:.4f}; greedy tokens "
-          f"agreeing before the first divergence {sum(agreeing)} of {len(agreeing) * NUM_NEW_TOKENS}"
-          f" ({sum(a == NUM_NEW_TOKENS for a in agreeing)} of {len(agreeing)} prompts identical)")
-    assert abs(perplexity / fp32_perplexity - 1) < 0.01, (perplexity, fp32_perplexity)
-    assert drift < FP32_DRIFT_BOUND[mode], drift
-    assert sum(agreeing) >= FP32_AGREEMENT_FLOOR[mode] * len(agreeing) * NUM_NEW_TOKENS, agreeing
+    _assert_quality(f"fp32, activations {mode}", llm, make_llm, tokenizer, text_ids,
+                    exact_text_logprobs, fp32_perplexity, FP32_DRIFT_BOUND[mode],
+                    FP32_AGREEMENT_FLOOR[mode])
 
 
 # Measured with int16 activations: fp32 19.82, int8 19.52 (-1.5%), int4 20.72 (+4.5%): a second
