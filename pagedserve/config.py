@@ -230,8 +230,9 @@ class DeviceConfig:
     (and a tied head) on load, per 32-element group, and run packed only (bf16 on the CPU)."""
     activation_quantization: str = "auto"
     """Matmuls on GGUF codes by the compiled CPU kernels: "auto" activations quantized per
-    32-element group, int8 in fp32 (exact where this build has no vectorized integer kernel),
-    in bf16 int16 (int8 in a tied head); "none" exact (fp32: the dense model's weights and fp32
+    32-element group to int8 with each layer's outlier channels exact (layers/outliers.py; in
+    fp32 the exact mode where this build has no vectorized integer kernel; bf16's MoE experts
+    int16); "none" exact (fp32: the dense model's weights and fp32
     sums); "int16" / "int8" everywhere. See layers/quantized.py."""
     cpu_kernels: bool = True
     """Use the compiled CPU kernels (csrc/cpu_ops.cpp) where they apply; False: the plain torch
