@@ -193,8 +193,13 @@ class LLMEngine:
         vocab_size = config.model.vocab_size  # (a test's tiny model may have fewer tokens)
         token_ids = [t for t in self.tokenizer.encode(calibration_text()) if t < vocab_size]
         token_ids = token_ids[:limit]
+        if not token_ids:
+            return "none (no room in the KV pool for the calibration text)"
         layers = self.executor.calibrate_outlier_channels(token_ids)
         if not layers:
+            if config.parallel.pipeline_parallel_size > 1:
+                return ("none (pipeline stages cannot run the calibration pass alone: int8 "
+                        "layers run without outlier channels)")
             return "none (no layer quantizes its activations to int8 here)"
         return (f"{OUTLIER_CHANNELS} int8 input channels multiplied exactly in each of {layers} "
                 f"layers, chosen on {len(token_ids)} calibration tokens")
