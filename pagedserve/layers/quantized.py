@@ -220,7 +220,8 @@ kernel's softmax change (csrc flash_rows) -0.34%, 0.067 nats, 352 of 640 (greedy
 a lot with near-ties: one flipped early ends a prompt's count). Against int16 (whose layers
 run the dense product above PACKED_MAX_ROWS), `bench throughput --compare-activation-quantization
 int16`: 1.27x the output tok/s of 32 x 200-token prompts with 128 new tokens (decode 1.36x,
-prefill 1.13x), 1.10x a 2,000-token prefill, 0.90-0.96x batch-1 decode (8 channels then)."""
+prefill 1.13x), 1.10x a 2,000-token prefill, 0.90-0.96x batch-1 decode with 8 outlier channels;
+with 16: 1.18x, 1.06x and 0.82x (layers/outliers.py OUTLIER_CHANNELS)."""
 HEAD_ACTIVATION_BITS = 8
 """A tied output head on its GGUF codes in bf16 takes int8 activations: on SmolLM2-135M it is
 1.6-1.7x the int16 speed at 1 to 32 rows (AMD EPYC Zen 4), and the perplexity on the shipped text
