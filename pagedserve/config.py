@@ -232,8 +232,8 @@ class DeviceConfig:
     """Matmuls on GGUF codes by the compiled CPU kernels: "auto" activations quantized per
     32-element group to int8 with each layer's outlier channels exact (layers/outliers.py; in
     fp32 the exact mode where this build has no vectorized integer kernel; bf16's MoE experts
-    int16); "none" exact (fp32: the dense model's weights and fp32
-    sums); "int16" / "int8" everywhere. See layers/quantized.py."""
+    int16); "none" exact (fp32: the dense model's weights and fp32 sums); "int16" / "int8"
+    everywhere. See layers/quantized.py."""
     cpu_kernels: bool = True
     """Use the compiled CPU kernels (csrc/cpu_ops.cpp) where they apply; False: the plain torch
     path everywhere (the reference). Decided once per model (kernels/cpu_ops.py KernelConfig)."""

@@ -208,8 +208,8 @@ inline __m256 exp256(__m256 x) {
 // Quantized linear, weights kept in the GGUF group form (per 32 elements along K:
 // w = scale * code + min) and multiplied by integer dot products (AVX-512 VNNI):
 // the activations are quantized on the fly per 32-element group, xq = round(x / dx), to int16
-// (dx = absmax / 32767: within ~1e-5 of the activations; bf16's default) or to int8
-// (dx = absmax / 127, as llama.cpp does: faster, less accurate; fp32's default, see
+// (dx = absmax / 32767: within ~1e-5 of the activations) or to int8 (dx = absmax / 127, as
+// llama.cpp does: faster, less accurate; the default, with outlier channels, see below and
 // layers/quantized.py). Each group's sum of code * xq is exact in int32 (vpdpwssd: pairs of
 // int16; vpdpbusd: quads of u8 x s8):
 //   y[m, n] = sum_g ( scale[n, g] * dx[m, g] * sum_k code * xq  +  min[n, g] * xsum[m, g] )
@@ -266,8 +266,8 @@ inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* s
 // than their group's others. They are taken out of the quantized rows (set to 0 before the group
 // scales are found, so the rest of their groups keep their resolution) and multiplied exactly
 // instead: y[r][n] += sum_j x[r][channel j] * w_j[n], by fp32 FMAs, j in order, w_j the
-// dequantized weights of channel j rounded to fp16 (fp32 would add a tenth to the bytes a
-// 576-wide 4-bit layer reads per row), after the integer sums and before the bias.
+// dequantized weights of channel j rounded to fp16 (16 channels in fp16 already add a tenth to
+// the bytes a 576-wide 4-bit layer reads per row), after the integer sums and before the bias.
 struct OutlierChannels {
   const int64_t* channels = nullptr;      // [count], ascending
   const c10::Half* weights = nullptr;     // [count, N padded to 16]: w_j[n]
@@ -674,7 +674,8 @@ inline void add_outliers(const OutlierChannels& outliers, const float* x, int ro
   for (int i = 0; i < rows; ++i)
     for (int64_t j = 0; j < count; ++j)
       for (int col = 0; col < 16; ++col)
-        tile[i * 16 + col] = std::fma(x[i * count + j], static_cast<float>(w[j * outliers.stride + col]),
+        tile[i * 16 + col] = std::fma(x[i * count + j],
+                                      static_cast<float>(w[j * outliers.stride + col]),
                                       tile[i * 16 + col]);
 #endif
 }

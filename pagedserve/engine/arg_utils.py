@@ -197,8 +197,8 @@ class EngineArgs:
     int4 / int8: quantize every linear weight on load and run packed only (bf16 on the CPU)."""
     activation_quantization: str = "auto"
     """Matmuls on GGUF codes (CPU kernels): auto: activations quantized per 32-element group,
-    int8, each layer's outlier channels exact (bf16's MoE experts: int16); none: exact (fp32: the dense model's
-    weights, fp32 sums); int16 / int8: everywhere."""
+    int8, each layer's outlier channels exact (bf16's MoE experts: int16); none: exact (fp32:
+    the dense model's weights, fp32 sums); int16 / int8: everywhere."""
     speculative_config: dict | str | None = None
     """Speculative decoding, vLLM's keys, as a dict or JSON: e.g. {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1};

@@ -30,7 +30,6 @@ channels.
 from __future__ import annotations
 
 import contextlib
-import logging
 import pathlib
 from collections.abc import Callable, Iterator
 
@@ -39,8 +38,6 @@ from torch import nn
 
 from pagedserve.layers.linear import Linear
 from pagedserve.layers.quantized import GroupQuantizedWeight
-
-logger = logging.getLogger(__name__)
 
 OUTLIER_CHANNELS = 16
 """Input channels per int8 layer multiplied exactly (measured as above). Their cost: 16 fp16
@@ -105,7 +102,7 @@ def calibrate_outlier_channels(model: nn.Module, token_ids: list[int],
         run_forward(token_ids)
     for linear in linears:
         peak = peaks.get(linear)
-        if peak is None:  # not run by this pass (another stage's layer)
+        if peak is None:  # a layer this pass did not run
             continue
         linear.packed.set_outlier_channels(torch.topk(peak, min(count, peak.numel())).indices)
     _rebuild_decoder_stacks(model)

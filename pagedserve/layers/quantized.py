@@ -414,9 +414,9 @@ def packed_weight(weight: GGUFQuantWeight, dtype: torch.dtype, head: bool = Fals
     """The fastest packed form available for compute `dtype`: the compiled kernel's (unless the
     KernelConfig of the model being loaded turns them off, kernels/cpu_ops.py), its activations
     quantized as that KernelConfig's activation_quantization says for a layer, a tied head
-    (`head`) or an MoE expert (`expert`), else torch's int4 kernel (bf16 activations). None for fp32 where the compiled kernel
-    would run the exact mode unvectorized (torch's int4 kernel in fp32 is ~30x slower than the
-    dense matmul): the layer stays dense."""
+    (`head`) or an MoE expert (`expert`), else torch's int4 kernel (bf16 activations). None
+    for fp32 where the compiled kernel would run the exact mode unvectorized (torch's int4
+    kernel in fp32 is ~30x slower than the dense matmul): the layer stays dense."""
     ops = cpu_ops.for_new_layer()
     if ops is not None and dtype in (torch.float32, torch.bfloat16):
         mode = cpu_ops.build_config().activation_quantization

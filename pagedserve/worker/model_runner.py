@@ -500,7 +500,7 @@ class ModelRunner:
         calibration text, layers/outliers.py); the number of layers set. Writes junk KV into
         the first blocks, which no request holds yet. Not under pipeline parallelism (a stage
         cannot run alone): 0."""
-        if not self.pp_group.is_first_rank or not self.pp_group.is_last_rank:
+        if self.pp_group.world_size > 1:
             return 0
         return calibrate_outlier_channels(self.model, token_ids, lambda ids: (
             self._prefill_outside_requests(torch.tensor(ids, device=self.device), 0)))

@@ -26,7 +26,8 @@ def _channels(llm: LLM) -> list[list[int]]:
 
 def _greedy(llm: LLM) -> list[int]:
     params = SamplingParams(temperature=0, max_tokens=12)
-    return llm.generate([{"prompt_token_ids": list(range(100, 140))}], params)[0].outputs[0].token_ids
+    [output] = llm.generate([{"prompt_token_ids": list(range(100, 140))}], params)
+    return output.outputs[0].token_ids
 
 
 @pytest.fixture
