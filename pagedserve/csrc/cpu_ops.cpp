@@ -1954,9 +1954,23 @@ inline float exp_inplace(float* s, int64_t len, float mx) {
   return total;
 }
 
+// The largest of s[0..len) (len >= 1). std::max_element's loop stays scalar (it returns a
+// position): it took a third of paged attention's own time beside the dot products (perf, Zen 4).
+inline float max_of(const float* s, int64_t len) {
+  int64_t p = 0;
+  float top = s[0];
+#ifdef PAGEDSERVE_AVX512
+  __m512 top_v = _mm512_set1_ps(s[0]);
+  for (; p + 16 <= len; p += 16) top_v = _mm512_max_ps(top_v, _mm512_loadu_ps(s + p));
+  top = _mm512_reduce_max_ps(top_v);
+#endif
+  for (; p < len; ++p) top = std::max(top, s[p]);
+  return top;
+}
+
 // s <- softmax(s) in place.
 inline void softmax_inplace(float* s, int64_t len) {
-  const float inv = 1.f / exp_inplace(s, len, *std::max_element(s, s + len));
+  const float inv = 1.f / exp_inplace(s, len, max_of(s, len));
   for (int64_t p = 0; p < len; ++p) s[p] *= inv;
 }
 
@@ -2041,7 +2055,7 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
           attention_scores_codes(q32.data() + g * d, krows.data(), key_scales.data(), len, d, s);
         }
         if (partial) {  // unnormalized: the merge divides by the slices' total
-          partial[g * (d + 2)] = *std::max_element(s, s + len);
+          partial[g * (d + 2)] = max_of(s, len);
           partial[g * (d + 2) + 1] = exp_inplace(s, len, partial[g * (d + 2)]);
         } else {
           softmax_inplace(s, len);
