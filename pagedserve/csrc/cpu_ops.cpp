@@ -18,11 +18,14 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -2697,6 +2700,114 @@ class DecoderStack {
 // The compute functions release the GIL while they run (their arguments are converted before,
 // their results after): the server's event loop (SSE, JSON, detokenizing) then runs on the other
 // core during a step instead of waiting for its end. None of them touches a Python object.
+// ---------------------------------------------------------------------------------------------
+// The machine's limits for `pagedserve bench peak`: every thread runs `iterations` x 12
+// independent instructions of one kind (the int8 dot product, the bf16 one, the fp32 FMA, in
+// the widest registers this build has), registers only, chains long enough to hide their
+// latency. Returns the wall seconds; the caller divides the work by them. The empty asm keeps
+// the accumulators in registers and the loop from being folded away.
+namespace peak {
+#define PAGEDSERVE_TWELVE(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define PAGEDSERVE_KEEP                                                                       \
+  __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), \
+                   "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11))
+#define PAGEDSERVE_PEAK_LOOP(TYPE, INIT, STEP, SINK)                  \
+  {                                                                   \
+    _Pragma("GCC diagnostic push")                                    \
+    _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")             \
+    PAGEDSERVE_TWELVE(INIT)                                           \
+    for (int64_t i = 0; i < iterations; ++i) {                        \
+      PAGEDSERVE_TWELVE(STEP)                                         \
+      PAGEDSERVE_KEEP;                                                \
+    }                                                                 \
+    SINK                                                              \
+    _Pragma("GCC diagnostic pop")                                     \
+  }
+
+volatile float sink_value;
+
+// 1 where this build has `kind`, after running it; 0 where not.
+inline int run(const std::string& kind, int64_t iterations) {
+#if defined(PAGEDSERVE_VNNI)
+  if (kind == "int8") {
+    const __m512i w = _mm512_set1_epi32(0x01010101), v = _mm512_set1_epi32(0x02020202);
+#define INIT(i) __m512i a##i = _mm512_set1_epi32(i);
+#define STEP(i) a##i = _mm512_dpbusd_epi32(a##i, w, v);
+    PAGEDSERVE_PEAK_LOOP(__m512i, INIT, STEP,
+        sink_value = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(a0, a11)));)
+#undef INIT
+#undef STEP
+    return 1;
+  }
+#endif
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+  if (kind == "bf16") {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+#define INIT(i) __m512 a##i = _mm512_set1_ps(i * 1e-3f);
+#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, w, w);
+    PAGEDSERVE_PEAK_LOOP(__m512, INIT, STEP, sink_value = _mm512_reduce_add_ps(_mm512_add_ps(a0, a11));)
+#undef INIT
+#undef STEP
+    return 1;
+  }
+#endif
+#if defined(PAGEDSERVE_AVX512)
+  if (kind == "fp32") {
+    const __m512 x = _mm512_set1_ps(0.5f), y = _mm512_set1_ps(0.25f);
+#define INIT(i) __m512 a##i = _mm512_set1_ps(i * 1e-3f);
+#define STEP(i) a##i = _mm512_fmadd_ps(a##i, x, y);
+    PAGEDSERVE_PEAK_LOOP(__m512, INIT, STEP, sink_value = _mm512_reduce_add_ps(_mm512_add_ps(a0, a11));)
+#undef INIT
+#undef STEP
+    return 1;
+  }
+#elif defined(PAGEDSERVE_AVX2)
+  if (kind == "fp32") {
+    const __m256 x = _mm256_set1_ps(0.5f), y = _mm256_set1_ps(0.25f);
+#define INIT(i) __m256 a##i = _mm256_set1_ps(i * 1e-3f);
+#define STEP(i) a##i = _mm256_fmadd_ps(a##i, x, y);
+    PAGEDSERVE_PEAK_LOOP(__m256, INIT, STEP, sink_value = reduce_add8(_mm256_add_ps(a0, a11));)
+#undef INIT
+#undef STEP
+    return 1;
+  }
+#endif
+  (void)iterations;
+  return 0;
+}
+#undef PAGEDSERVE_PEAK_LOOP
+#undef PAGEDSERVE_KEEP
+#undef PAGEDSERVE_TWELVE
+}  // namespace peak
+
+// Multiply-accumulates per instruction of each kind `peak_seconds` runs, in this build (the
+// kinds it lacks are absent).
+std::map<std::string, int64_t> peak_kinds() {
+  std::map<std::string, int64_t> kinds;
+#if defined(PAGEDSERVE_VNNI)
+  kinds["int8"] = 64;
+#endif
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+  kinds["bf16"] = 32;
+#endif
+#if defined(PAGEDSERVE_AVX512)
+  kinds["fp32"] = 16;
+#elif defined(PAGEDSERVE_AVX2)
+  kinds["fp32"] = 8;
+#endif
+  return kinds;
+}
+
+double peak_seconds(const std::string& kind, int64_t iterations) {
+  TORCH_CHECK(peak_kinds().count(kind), "this build has no peak loop for '", kind, "'");
+  const int64_t threads = at::get_num_threads();
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) peak::run(kind, iterations);
+  });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SOURCE_HASH") = PAGEDSERVE_STRINGIFY(PAGEDSERVE_SOURCE_HASH);
   m.attr("BUILD_ISA") = pagedserve_build_isa();
@@ -2706,6 +2817,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bits"), py::arg("activation_bits"), py::arg("bias") = py::none(),
         py::arg("outlier_channels") = py::none(), py::arg("outlier_weights") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("peak_kinds", &peak_kinds,
+        "the instruction kinds peak_seconds runs in this build, and multiply-adds per instruction");
+  m.def("peak_seconds", &peak_seconds,
+        "wall seconds for every thread to run iterations x 12 independent instructions of a kind",
+        py::arg("kind"), py::arg("iterations"), py::call_guard<py::gil_scoped_release>());
   m.def("exact_linear_vectorized", &exact_linear_vectorized,
         "whether quant_linear's fp32 path (activation_bits 32) is vectorized in this build");
   m.def("integer_linear_vectorized", &integer_linear_vectorized,

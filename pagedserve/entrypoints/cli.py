@@ -156,7 +156,7 @@ def _add_router(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(parser: argparse.ArgumentParser) -> None:
-    from pagedserve.benchmarks import attention, collectives, matmul, throughput
+    from pagedserve.benchmarks import attention, collectives, matmul, peak, throughput
     from pagedserve.benchmarks import lora as lora_bench
     from pagedserve.benchmarks import serve as serve_bench
 
@@ -182,6 +182,10 @@ def _add_bench(parser: argparse.ArgumentParser) -> None:
         "matmul", help="one layer on its GGUF codes by activation mode against the dense matmul")
     matmul.add_cli_args(matmul_parser)
     matmul_parser.set_defaults(func=matmul.main)
+    peak_parser = bench_commands.add_parser(
+        "peak", help="the machine's limits: dot-product and FMA throughput, read bandwidth")
+    peak.add_cli_args(peak_parser)
+    peak_parser.set_defaults(func=peak.main)
     attention_parser = bench_commands.add_parser(
         "attention", help="one request's prefill attention: the compiled kernel against torch's")
     attention.add_cli_args(attention_parser)

@@ -310,3 +310,25 @@ def test_bench_matmul_times_every_mode_on_the_same_weights(capsys, tmp_path):
     assert "int8 codes" in table[0] and "base int16 / int16" in table[1]
     assert [line.split()[:4] for line in table[2:]] == [["16", "x", "32", "3"],
                                                         ["16", "x", "32", "9"]]
+
+
+def test_bench_peak_reports_each_instruction_kind_of_this_build(capsys):
+    """`pagedserve bench peak` times the instruction kinds this build has (int8 and bf16 dot
+    products where AVX-512 VNNI / BF16 were compiled in, the fp32 FMA wherever AVX2 or AVX-512
+    was) and the read bandwidth; its figures are timings, so only their presence is checked."""
+    from pagedserve.benchmarks import peak
+    from pagedserve.entrypoints.cli import build_parser
+
+    kinds = ops.peak_kinds()
+    build = set(ops.BUILD_ISA.split())
+    assert ("int8" in kinds) == ("avx512_vnni" in build)
+    assert ("bf16" in kinds) == ("avx512_bf16" in build)
+    assert kinds.get("fp32") in ({16} if "avx512f" in build else {8} if "avx2" in build else {None})
+    peaks = peak.compute_peaks(iterations=1000, repeats=1)
+    assert set(peaks) == set(kinds) and all(gops > 0 for gops in peaks.values())
+    with pytest.raises(RuntimeError, match="no peak loop for 'int4'"):
+        ops.peak_seconds("int4", 10)
+    args = build_parser().parse_args(["bench", "peak", "--iterations", "1000", "--repeats", "1"])
+    assert args.func(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + len(kinds) and "read bandwidth" in lines[-1]
