@@ -2703,81 +2703,66 @@ class DecoderStack {
 // ---------------------------------------------------------------------------------------------
 // The machine's limits for `pagedserve bench peak`: every thread runs `iterations` x 12
 // independent instructions of one kind (the int8 dot product, the bf16 one, the fp32 FMA, in
-// the widest registers this build has), registers only, chains long enough to hide their
-// latency. Returns the wall seconds; the caller divides the work by them. The empty asm keeps
-// the accumulators in registers and the loop from being folded away.
+// the widest registers this build has), registers only, enough chains to hide their latency.
+// Returns the wall seconds; the caller divides the work by them.
 namespace peak {
-#define PAGEDSERVE_TWELVE(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define PAGEDSERVE_KEEP                                                                       \
-  __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), \
-                   "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11))
-#define PAGEDSERVE_PEAK_LOOP(TYPE, INIT, STEP, SINK)                  \
-  {                                                                   \
-    _Pragma("GCC diagnostic push")                                    \
-    _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")             \
-    PAGEDSERVE_TWELVE(INIT)                                           \
-    for (int64_t i = 0; i < iterations; ++i) {                        \
-      PAGEDSERVE_TWELVE(STEP)                                         \
-      PAGEDSERVE_KEEP;                                                \
-    }                                                                 \
-    SINK                                                              \
-    _Pragma("GCC diagnostic pop")                                     \
-  }
-
 volatile float sink_value;
+
+// `iterations` x 12 independent `step`s, in registers (the empty asm keeps the chains live and
+// apart); returns one chain for the caller to sink.
+template <typename V, typename Step>
+inline V twelve_chains(V start, int64_t iterations, Step step) {
+  V a0 = start, a1 = start, a2 = start, a3 = start, a4 = start, a5 = start, a6 = start,
+    a7 = start, a8 = start, a9 = start, a10 = start, a11 = start;
+  for (int64_t i = 0; i < iterations; ++i) {
+    a0 = step(a0), a1 = step(a1), a2 = step(a2), a3 = step(a3), a4 = step(a4), a5 = step(a5);
+    a6 = step(a6), a7 = step(a7), a8 = step(a8), a9 = step(a9), a10 = step(a10), a11 = step(a11);
+    __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),
+                     "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+  }
+  return a0;
+}
 
 // 1 where this build has `kind`, after running it; 0 where not.
 inline int run(const std::string& kind, int64_t iterations) {
 #if defined(PAGEDSERVE_VNNI)
   if (kind == "int8") {
     const __m512i w = _mm512_set1_epi32(0x01010101), v = _mm512_set1_epi32(0x02020202);
-#define INIT(i) __m512i a##i = _mm512_set1_epi32(i);
-#define STEP(i) a##i = _mm512_dpbusd_epi32(a##i, w, v);
-    PAGEDSERVE_PEAK_LOOP(__m512i, INIT, STEP,
-        sink_value = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(a0, a11)));)
-#undef INIT
-#undef STEP
+    const __m512i a = twelve_chains(_mm512_setzero_si512(), iterations,
+                                    [&](__m512i x) { return _mm512_dpbusd_epi32(x, w, v); });
+    sink_value = static_cast<float>(_mm512_reduce_add_epi32(a));
     return 1;
   }
 #endif
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
   if (kind == "bf16") {
     const __m512bh w = (__m512bh)_mm512_set1_epi32(0x3f803f80);
-#define INIT(i) __m512 a##i = _mm512_set1_ps(i * 1e-3f);
-#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, w, w);
-    PAGEDSERVE_PEAK_LOOP(__m512, INIT, STEP, sink_value = _mm512_reduce_add_ps(_mm512_add_ps(a0, a11));)
-#undef INIT
-#undef STEP
+    const __m512 a = twelve_chains(_mm512_setzero_ps(), iterations,
+                                   [&](__m512 x) { return _mm512_dpbf16_ps(x, w, w); });
+    sink_value = _mm512_reduce_add_ps(a);
     return 1;
   }
 #endif
 #if defined(PAGEDSERVE_AVX512)
   if (kind == "fp32") {
     const __m512 x = _mm512_set1_ps(0.5f), y = _mm512_set1_ps(0.25f);
-#define INIT(i) __m512 a##i = _mm512_set1_ps(i * 1e-3f);
-#define STEP(i) a##i = _mm512_fmadd_ps(a##i, x, y);
-    PAGEDSERVE_PEAK_LOOP(__m512, INIT, STEP, sink_value = _mm512_reduce_add_ps(_mm512_add_ps(a0, a11));)
-#undef INIT
-#undef STEP
+    const __m512 a = twelve_chains(_mm512_setzero_ps(), iterations,
+                                   [&](__m512 c) { return _mm512_fmadd_ps(c, x, y); });
+    sink_value = _mm512_reduce_add_ps(a);
     return 1;
   }
 #elif defined(PAGEDSERVE_AVX2)
   if (kind == "fp32") {
     const __m256 x = _mm256_set1_ps(0.5f), y = _mm256_set1_ps(0.25f);
-#define INIT(i) __m256 a##i = _mm256_set1_ps(i * 1e-3f);
-#define STEP(i) a##i = _mm256_fmadd_ps(a##i, x, y);
-    PAGEDSERVE_PEAK_LOOP(__m256, INIT, STEP, sink_value = reduce_add8(_mm256_add_ps(a0, a11));)
-#undef INIT
-#undef STEP
+    const __m256 a = twelve_chains(_mm256_setzero_ps(), iterations,
+                                   [&](__m256 c) { return _mm256_fmadd_ps(c, x, y); });
+    sink_value = reduce_add8(a);
     return 1;
   }
 #endif
   (void)iterations;
   return 0;
 }
-#undef PAGEDSERVE_PEAK_LOOP
-#undef PAGEDSERVE_KEEP
-#undef PAGEDSERVE_TWELVE
 }  // namespace peak
 
 // Multiply-accumulates per instruction of each kind `peak_seconds` runs, in this build (the
