@@ -1774,24 +1774,24 @@ void weighted_sum(const T* const* rows, const float* w, int64_t len, int64_t d, 
   }
 }
 
+// weighted_sum for `heads` query heads sharing the rows: out[h] (at out + h * out_stride) =
+// sum_p w[h * len + p] * rows[p]; on AVX-512 the heads share each row's load.
+template <typename T>
+void group_weighted_sum(const T* const* rows, const float* w, int64_t heads, int64_t len,
+                        int64_t d, float* out, int64_t out_stride) {
+#ifdef PAGEDSERVE_AVX512
+  if (d == 64) return group_weighted_rows<4>(rows, w, heads, len, out, out_stride);
+  if (d == 128) return group_weighted_rows<8>(rows, w, heads, len, out, out_stride);
+#endif
+  for (int64_t h = 0; h < heads; ++h) weighted_sum(rows, w + h * len, len, d, out + h * out_stride);
+}
+
+// One query head's scores (AVX-512 builds score every head at once in group_attention_scores
+// and come here only for a head size that is not a multiple of 32).
 template <typename T>
 void attention_scores(const T* q, const T* const* krows, int64_t len, int64_t d, float scale,
                       float* s) {
-#ifdef PAGEDSERVE_AVX512
-  if (d % 32 == 0) {
-    const __m512 scale_v = _mm512_set1_ps(scale);
-    for (int64_t p0 = 0; p0 < len; p0 += 16) {
-      const int64_t count = std::min<int64_t>(16, len - p0);
-      __m512 partial[16];
-      for (int i = 0; i < 16; ++i) {
-        partial[i] = i < count ? dot_partial(krows[p0 + i], q, d) : _mm512_setzero_ps();
-      }
-      _mm512_mask_storeu_ps(s + p0, static_cast<__mmask16>((1u << count) - 1),
-                            _mm512_mul_ps(sum16(partial), scale_v));
-    }
-    return;
-  }
-#elif defined(PAGEDSERVE_AVX2)
+#if defined(PAGEDSERVE_AVX2)
   if (d % 8 == 0) {
     for (int64_t p0 = 0; p0 < len; p0 += 8) {
       const int64_t count = std::min<int64_t>(8, len - p0);
@@ -1850,14 +1850,14 @@ inline void head_scores(const float* q, const float* const* krows, int64_t len, 
 #endif
 
 // s[g * len + p] = scale * q_g . krows[p] for the `group` query heads q_g (q + g * d) that share
-// a KV head: attention_scores for each, the same bits, on AVX2 in fp32 3 heads per pass over the
-// keys.
+// a KV head, each head's sums the same bits in a group as alone; on AVX2 in fp32 3 heads per pass
+// over the keys.
 template <typename T>
 void group_attention_scores(const T* q, int64_t group, const T* const* krows, int64_t len,
                             int64_t d, float scale, float* s) {
 #ifdef PAGEDSERVE_AVX512
-  // attention_scores' sums, 16 keys at a time for every head: the 16 key rows stay in L1 for
-  // the heads after the first (a whole slice's keys, 64 KB at 512 keys, would not).
+  // 16 keys at a time for every head: the 16 key rows stay in L1 for the heads after the first
+  // (a whole slice's keys, 64 KB at 512 keys, would not).
   if (d % 32 == 0) {
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t p0 = 0; p0 < len; p0 += 16) {
@@ -2068,16 +2068,8 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
         }
       }
       // the value sums: group * d values at acc, or each head's d after its 2 statistics
-      float* values = partial ? partial + 2 : acc.data();
-      const int64_t values_stride = partial ? d + 2 : d;
-#ifdef PAGEDSERVE_AVX512
-      if (d == 64 || d == 128) {
-        if (d == 64) group_weighted_rows<4>(vrows.data(), scores.data(), group, len, values, values_stride);
-        else group_weighted_rows<8>(vrows.data(), scores.data(), group, len, values, values_stride);
-      } else
-#endif
-      for (int64_t g = 0; g < group; ++g)
-        weighted_sum(vrows.data(), scores.data() + g * len, len, d, values + g * values_stride);
+      if (partial) group_weighted_sum(vrows.data(), scores.data(), group, len, d, partial + 2, d + 2);
+      else group_weighted_sum(vrows.data(), scores.data(), group, len, d, acc.data(), d);
       if (!partial) {
         for (int64_t g = 0; g < group; ++g) {
           T* o = out + (t * heads + h * group + g) * d;
@@ -2697,9 +2689,6 @@ class DecoderStack {
 
 }  // namespace
 
-// The compute functions release the GIL while they run (their arguments are converted before,
-// their results after): the server's event loop (SSE, JSON, detokenizing) then runs on the other
-// core during a step instead of waiting for its end. None of them touches a Python object.
 // ---------------------------------------------------------------------------------------------
 // The machine's limits for `pagedserve bench peak`: every thread runs `iterations` x 12
 // independent instructions of one kind (the int8 dot product, the bf16 one, the fp32 FMA, in
@@ -2723,15 +2712,15 @@ inline V twelve_chains(V start, int64_t iterations, Step step) {
   return a0;
 }
 
-// 1 where this build has `kind`, after running it; 0 where not.
-inline int run(const std::string& kind, int64_t iterations) {
+// Runs `kind` (peak_seconds checks first that this build has it).
+inline void run(const std::string& kind, int64_t iterations) {
 #if defined(PAGEDSERVE_VNNI)
   if (kind == "int8") {
     const __m512i w = _mm512_set1_epi32(0x01010101), v = _mm512_set1_epi32(0x02020202);
     const __m512i a = twelve_chains(_mm512_setzero_si512(), iterations,
                                     [&](__m512i x) { return _mm512_dpbusd_epi32(x, w, v); });
     sink_value = static_cast<float>(_mm512_reduce_add_epi32(a));
-    return 1;
+    return;
   }
 #endif
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
@@ -2740,7 +2729,7 @@ inline int run(const std::string& kind, int64_t iterations) {
     const __m512 a = twelve_chains(_mm512_setzero_ps(), iterations,
                                    [&](__m512 x) { return _mm512_dpbf16_ps(x, w, w); });
     sink_value = _mm512_reduce_add_ps(a);
-    return 1;
+    return;
   }
 #endif
 #if defined(PAGEDSERVE_AVX512)
@@ -2749,7 +2738,7 @@ inline int run(const std::string& kind, int64_t iterations) {
     const __m512 a = twelve_chains(_mm512_setzero_ps(), iterations,
                                    [&](__m512 c) { return _mm512_fmadd_ps(c, x, y); });
     sink_value = _mm512_reduce_add_ps(a);
-    return 1;
+    return;
   }
 #elif defined(PAGEDSERVE_AVX2)
   if (kind == "fp32") {
@@ -2757,11 +2746,10 @@ inline int run(const std::string& kind, int64_t iterations) {
     const __m256 a = twelve_chains(_mm256_setzero_ps(), iterations,
                                    [&](__m256 c) { return _mm256_fmadd_ps(c, x, y); });
     sink_value = reduce_add8(a);
-    return 1;
+    return;
   }
 #endif
   (void)iterations;
-  return 0;
 }
 }  // namespace peak
 
@@ -2793,6 +2781,9 @@ double peak_seconds(const std::string& kind, int64_t iterations) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// The compute functions release the GIL while they run (their arguments are converted before,
+// their results after): the server's event loop (SSE, JSON, detokenizing) then runs on the other
+// core during a step instead of waiting for its end. None of them touches a Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SOURCE_HASH") = PAGEDSERVE_STRINGIFY(PAGEDSERVE_SOURCE_HASH);
   m.attr("BUILD_ISA") = pagedserve_build_isa();
