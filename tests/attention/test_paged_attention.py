@@ -149,10 +149,19 @@ def test_bf16_matches_reference_within_bf16_rounding(backend):
     torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (9, 3, 64),  # SmolLM2's shape: a KV head's 3 query heads are one row group of the kernel
+    (14, 2, 64),  # Qwen2.5-0.5B's: group 7, so a row group spans two or three tokens
+    (8, 2, 128),
+])
 @pytest.mark.parametrize("query_lens,context_lens", [([1, 300], [40, 0]), ([200, 70], [37, 500])])
-def test_bf16_prefill_chunks_match_reference(backend, query_lens, context_lens):
+def test_bf16_prefill_chunks_match_reference(backend, query_lens, context_lens, num_heads,
+                                             num_kv_heads, head_dim, monkeypatch):
     """Long bf16 chunks: on the CPU the flash-style prefill kernel (probabilities rounded to bf16
     before the value product, as a bf16 matmul would), else the torch matmuls."""
+    for name, value in (("NUM_HEADS", num_heads), ("NUM_KV_HEADS", num_kv_heads),
+                        ("HEAD_DIM", head_dim)):
+        monkeypatch.setattr(sys.modules[__name__], name, value)  # build_batch reads them
     q, key_cache, value_cache, meta = build_batch(backend, query_lens, context_lens)
     expected = reference_paged_attention(q, key_cache, value_cache, meta)
     actual = backend.forward(
