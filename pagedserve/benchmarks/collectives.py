@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
+
+from pagedserve.distributed.ports import unused_port
 
 DTYPES = ("float32", "bfloat16")
 
@@ -31,9 +32,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = unused_port()
     config = json.dumps({"world_size": args.world_size, "port": port,
                          "hidden_size": args.hidden_size, "dtype": args.dtype,
                          "tokens": [int(t) for t in args.tokens.split(",")],

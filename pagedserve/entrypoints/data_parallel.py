@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import httpx
 
 from pagedserve.distributed.cpu_binding import cpu_share, usable_cpus
+from pagedserve.distributed.ports import unused_port
 
 logger = logging.getLogger(__name__)
 
@@ -129,14 +130,6 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def free_port(host: str = _REPLICA_HOST) -> int:
-    # NOTE: another process may take the port before the replica binds it; that replica then
-    # fails its start, and so does the front (exit 2), saying which replica.
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Replica:
     label: str
@@ -171,7 +164,9 @@ class ReplicaGroup:
                "PYTHONUNBUFFERED": "1"}
         cpus = usable_cpus()
         for index in range(self.config.data_parallel_size):
-            port = free_port()
+            # another process may take the port before the replica binds it: that replica
+            # then fails its start, and so does the front (exit 2), saying which replica
+            port = unused_port(_REPLICA_HOST)
             command = replica_command(self.flags, port, self.config.num_threads_per_rank)
             # A session of its own: the terminal's Ctrl-C reaches the front only, which then
             # drains the replicas once (a second signal would cut a replica's drain short).

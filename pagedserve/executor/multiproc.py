@@ -29,6 +29,7 @@ from typing import Any
 
 from pagedserve.config import EngineConfig, ParallelConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.distributed.ports import unused_port
 from pagedserve.executor import messages
 from pagedserve.executor.abstract import Executor, ExecutorError, merge_expert_load
 
@@ -75,12 +76,6 @@ def stop_processes(processes: list[subprocess.Popen], timeout_s: float) -> None:
         deadline = time.monotonic() + 2.0
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
 @dataclass
 class _Call:
     """One message sent to the workers, waiting for the replies of `ranks_left`."""
@@ -110,7 +105,7 @@ class MultiprocExecutor(Executor):
         self._collector: threading.Thread | None = None
 
         host = parallel.master_addr
-        rendezvous_port = parallel.master_port or _free_port(host)
+        rendezvous_port = parallel.master_port or unused_port(host)
         control_port = parallel.master_port + 1 if parallel.master_port else 0
         try:
             self._listener = socket.create_server((host, control_port))
