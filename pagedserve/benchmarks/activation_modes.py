@@ -41,22 +41,19 @@ def _activation_bits(llm: LLM) -> int | None:
 
 def compare_activation_quantization(args: argparse.Namespace,
                                     engine_args: EngineArgs) -> dict[str, Any]:
-    from pagedserve.benchmarks.throughput import _config, make_workload, run_pagedserve
+    from pagedserve.benchmarks.throughput import (
+        _config,
+        make_workload,
+        refuse_other_run_flags,
+        run_pagedserve,
+    )
 
     modes = {"ours": engine_args.activation_quantization,
              "other": args.compare_activation_quantization}
     if modes["ours"] == modes["other"]:
         raise ValueError(f"--compare-activation-quantization {modes['other']} is this run's own "
                          "--activation-quantization: name another mode")
-    others = {"--baseline hf": args.baseline != "none", "--compare-no-spec": args.compare_no_spec,
-              "--compare-one-process": args.compare_one_process,
-              "--compare-no-prefix-cache": args.compare_no_prefix_cache,
-              "--compare-no-hybrid-kv": args.compare_no_hybrid_kv,
-              "--compare-events": args.compare_events > 0, "--profile": args.profile,
-              "--structured-fraction": args.structured_fraction > 0}
-    if any(others.values()):
-        raise ValueError("--compare-activation-quantization runs on its own, without "
-                         + ", ".join(flag for flag, given in others.items() if given))
+    refuse_other_run_flags(args, "--compare-activation-quantization")
     load_average_start = os.getloadavg()[0]
     llms = {key: LLM(**{**vars(engine_args), "activation_quantization": mode})
             for key, mode in modes.items()}

@@ -30,18 +30,18 @@ RUNS = (
 
 
 def compare_hybrid_kv(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
-    from pagedserve.benchmarks.throughput import _config, _warm_up, make_workload, run_pagedserve
+    from pagedserve.benchmarks.throughput import (
+        _config,
+        _warm_up,
+        make_workload,
+        refuse_other_run_flags,
+        run_pagedserve,
+    )
 
     if engine_args.disable_hybrid_kv_cache_manager:
         raise ValueError("--compare-no-hybrid-kv compares against the hybrid KV cache manager: "
                          "drop --disable-hybrid-kv-cache-manager")
-    others = {"--baseline hf": args.baseline != "none", "--compare-no-spec": args.compare_no_spec,
-              "--compare-one-process": args.compare_one_process,
-              "--compare-no-prefix-cache": args.compare_no_prefix_cache,
-              "--profile": args.profile, "--structured-fraction": args.structured_fraction > 0}
-    if any(others.values()):
-        raise ValueError("--compare-no-hybrid-kv runs on its own, without "
-                         + ", ".join(flag for flag, given in others.items() if given))
+    refuse_other_run_flags(args, "--compare-no-hybrid-kv")
     load_average_start = os.getloadavg()[0]
     runs: dict[str, dict[str, Any]] = {}
     output_ids: dict[str, list[list[int]]] = {}

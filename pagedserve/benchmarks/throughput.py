@@ -598,6 +598,24 @@ def _config(
     return config
 
 
+def refuse_other_run_flags(args: argparse.Namespace, comparison: str) -> None:
+    """`comparison` (--compare-no-prefix-cache, --compare-no-hybrid-kv or
+    --compare-activation-quantization) runs on its own: refuse any other flag that changes what
+    `bench throughput` runs, rather than leave it unrun without a word."""
+    given = {"--baseline hf": args.baseline != "none",
+             "--compare-no-spec": args.compare_no_spec,
+             "--compare-one-process": args.compare_one_process,
+             "--compare-no-prefix-cache": args.compare_no_prefix_cache,
+             "--compare-no-hybrid-kv": args.compare_no_hybrid_kv,
+             "--compare-activation-quantization": args.compare_activation_quantization is not None,
+             "--compare-events": args.compare_events > 0,
+             "--profile": args.profile,
+             "--structured-fraction": args.structured_fraction > 0}
+    others = [flag for flag, on in given.items() if on and flag != comparison]
+    if others:
+        raise ValueError(f"{comparison} runs on its own, without {', '.join(others)}")
+
+
 def _emit(result: dict[str, Any], table: str, output_json: str | None) -> None:
     print(table)
     if output_json:
@@ -635,12 +653,7 @@ def compare_prefix_cache(args: argparse.Namespace, engine_args: EngineArgs) -> d
     if not engine_args.enable_prefix_caching:
         raise ValueError("--compare-no-prefix-cache compares against the prefix cache: drop "
                          "--no-enable-prefix-caching")
-    others = {"--baseline hf": args.baseline != "none", "--compare-no-spec": args.compare_no_spec,
-              "--compare-one-process": args.compare_one_process, "--profile": args.profile,
-              "--structured-fraction": args.structured_fraction > 0}
-    if any(others.values()):
-        raise ValueError("--compare-no-prefix-cache runs on its own, without "
-                         + ", ".join(flag for flag, given in others.items() if given))
+    refuse_other_run_flags(args, "--compare-no-prefix-cache")
     if num_questions_per_doc(args) < 2:
         raise ValueError("--compare-no-prefix-cache needs --questions-per-doc >= 2")
     load_average_start = os.getloadavg()[0]

@@ -316,3 +316,18 @@ def test_activation_modes_compared_in_turns(run_bench, capsys):
 def test_activation_mode_comparison_rejects_what_it_cannot_compare(run_bench, flags, message):
     with pytest.raises(ValueError, match=message):
         run_bench("--num-prompts", "1", *flags)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compare-no-hybrid-kv", "--compare-activation-quantization", "int8"],
+     "--compare-no-hybrid-kv runs on its own, without --compare-activation-quantization"),
+    (["--dataset", "doc-qa", "--compare-no-prefix-cache", "--compare-events", "2"],
+     "--compare-no-prefix-cache runs on its own, without --compare-events"),
+    (["--compare-activation-quantization", "int8", "--compare-events", "2", "--profile"],
+     "--compare-activation-quantization runs on its own, without --compare-events, --profile"),
+])
+def test_a_standalone_comparison_refuses_every_other_run_flag(run_bench, flags, message):
+    """The comparisons that run on their own name each other flag they would leave unrun (the
+    hybrid-KV and prefix-cache ones used to skip the later --compare-* flags without a word)."""
+    with pytest.raises(ValueError, match=message):
+        run_bench("--num-prompts", "1", *flags)
