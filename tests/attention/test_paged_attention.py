@@ -139,6 +139,13 @@ def test_decode_mask_ignores_stale_blocks_past_the_sequence(backend):
     torch.testing.assert_close(backend.forward(q, (key_cache, value_cache), meta), expected)
 
 
+def _use_head_shape(monkeypatch, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """build_batch's head shape for this test (it reads the module's constants)."""
+    for name, value in (("NUM_HEADS", num_heads), ("NUM_KV_HEADS", num_kv_heads),
+                        ("HEAD_DIM", head_dim)):
+        monkeypatch.setattr(sys.modules[__name__], name, value)
+
+
 def test_bf16_matches_reference_within_bf16_rounding(backend):
     """The bf16 path computes decode scores in bf16 (see _decode_attention): bound the error."""
     q, key_cache, value_cache, meta = build_batch(backend, [1, 1, 1, 20], [7, 100, 33, 40])
@@ -159,9 +166,7 @@ def test_bf16_prefill_chunks_match_reference(backend, query_lens, context_lens, 
                                              num_kv_heads, head_dim, monkeypatch):
     """Long bf16 chunks: on the CPU the flash-style prefill kernel (probabilities rounded to bf16
     before the value product, as a bf16 matmul would), else the torch matmuls."""
-    for name, value in (("NUM_HEADS", num_heads), ("NUM_KV_HEADS", num_kv_heads),
-                        ("HEAD_DIM", head_dim)):
-        monkeypatch.setattr(sys.modules[__name__], name, value)  # build_batch reads them
+    _use_head_shape(monkeypatch, num_heads, num_kv_heads, head_dim)
     q, key_cache, value_cache, meta = build_batch(backend, query_lens, context_lens)
     expected = reference_paged_attention(q, key_cache, value_cache, meta)
     actual = backend.forward(
@@ -293,9 +298,7 @@ def test_fp32_prefill_kernel_matches_reference(num_heads, num_kv_heads, head_dim
     tile it takes. Then through the backend: a chunk longer than KERNEL_MAX_TOKENS is the
     kernel's (same bits as the direct call), with the short-step kernel's decodes beside it."""
     kernels = _prefill_kernel_or_skip()
-    for name, value in (("NUM_HEADS", num_heads), ("NUM_KV_HEADS", num_kv_heads),
-                        ("HEAD_DIM", head_dim)):
-        monkeypatch.setattr(sys.modules[__name__], name, value)  # build_batch reads them
+    _use_head_shape(monkeypatch, num_heads, num_kv_heads, head_dim)
     backend = create_attention_backend("cpu", torch.float32, kernels)
     q, key_cache, value_cache, meta = build_batch(backend, [1, 1, num_tokens], [9, 70, context_len])
     start = meta.query_start_loc[2]

@@ -175,14 +175,13 @@ def fp32_perplexity(exact_text_logprobs) -> float:
 
 @BF16_IS_THE_DEFAULT
 def test_perplexity_within_one_percent_of_fp32(make_llm, text_ids, fp32_perplexity, monkeypatch):
-    token_ids = text_ids
     reference = fp32_perplexity
     # int16 layers run the dense product above PACKED_MAX_ROWS rows, their codes below
     default_mix = _perplexity(make_llm(dtype="bfloat16", activation_quantization="int16"),
-                              token_ids)
+                              text_ids)
     _packed_everywhere(monkeypatch)  # int16 activations in the layers, int8 in the head
-    int4 = _perplexity(make_llm(dtype="bfloat16", activation_quantization="int16"), token_ids)
-    print(f"\nperplexity over {sum(map(len, token_ids))} tokens: fp32 {reference:.4f}, "
+    int4 = _perplexity(make_llm(dtype="bfloat16", activation_quantization="int16"), text_ids)
+    print(f"\nperplexity over {sum(map(len, text_ids))} tokens: fp32 {reference:.4f}, "
           f"bf16 int16 default mix {default_mix:.4f}, bf16 int16 packed everywhere {int4:.4f}")
     assert abs(int4 / reference - 1) < 0.01, (int4, reference)
     assert abs(default_mix / reference - 1) < 0.01, (default_mix, reference)
@@ -333,12 +332,12 @@ def test_quantize_on_load_perplexity(make_llm, text_ids, fp32_perplexity, scheme
     """--quantization int8/int4 quantize every linear weight (here the dequantized GGUF ones)
     per 32-element group on load and run packed only. int16 activations: the weights' rounding
     is what is measured (the activations' is test_bf16_activation_quantization_keeps_quality's)."""
-    token_ids, reference = text_ids, fp32_perplexity
+    reference = fp32_perplexity
     llm = make_llm(dtype="bfloat16", quantization=scheme, activation_quantization="int16")
     layer = llm.engine.executor.worker.model_runner.model.model.layers[0]
     assert layer.mlp.down_proj.weight is None and layer.mlp.down_proj.packed is not None
-    quantized = _perplexity(llm, token_ids)
-    print(f"\nperplexity over {sum(map(len, token_ids))} tokens: fp32 {reference:.4f}, {scheme} {quantized:.4f}")
+    quantized = _perplexity(llm, text_ids)
+    print(f"\nperplexity over {sum(map(len, text_ids))} tokens: fp32 {reference:.4f}, {scheme} {quantized:.4f}")
     assert abs(quantized / reference - 1) < ON_LOAD_PERPLEXITY_TOLERANCE[scheme], (
         quantized, reference
     )
