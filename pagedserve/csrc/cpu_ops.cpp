@@ -1726,6 +1726,25 @@ inline void key_dots8(const Q* q, const C* const* krows, int64_t count, int64_t 
 }
 #endif
 
+// Requests the cache lines of rows[begin, min(end, len)) (each `bytes` long): into L1 at
+// locality 3, into L2 at 2.
+template <int kLocality, typename T>
+inline void prefetch_rows(const T* const* rows, int64_t begin, int64_t end, int64_t len,
+                          int64_t bytes) {
+  for (int64_t i = begin; i < std::min(end, len); ++i) {
+    const char* row = reinterpret_cast<const char*>(rows[i]);
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(row + line, 0, kLocality);
+  }
+}
+
+// Rows (of `bytes` each) that the pass after this one reads, requested into L2 while this one
+// runs: the next task's keys during a value pass.
+template <typename T>
+struct Ahead {
+  const T* const* rows = nullptr;
+  int64_t len = 0, bytes = 0;
+};
+
 #ifdef PAGEDSERVE_AVX512
 // out[h][0..16*DC) = sum_p w[h * len + p] * rows[p] (out[h] at out + h * out_stride) for kHeads
 // query heads that share the rows, a KV head's values. Each row is loaded (and a bf16 or
@@ -1735,12 +1754,13 @@ inline void key_dots8(const Q* q, const C* const* krows, int64_t count, int64_t 
 // the same bits in a group as alone.
 template <int DC, int kHeads, typename T>
 inline void head_weighted_rows(const T* const* rows, const float* w, int64_t len, float* out,
-                               int64_t out_stride) {
+                               int64_t out_stride, const Ahead<T>& ahead = {}) {
   __m512 even[kHeads][DC], odd[kHeads][DC];
   for (int h = 0; h < kHeads; ++h)
     for (int c = 0; c < DC; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
   int64_t p = 0;
   for (; p + 2 <= len; p += 2) {
+    prefetch_rows<2>(ahead.rows, p, p + 2, ahead.len, ahead.bytes);
     __m512 v[DC];
     for (int c = 0; c < DC; ++c) v[c] = load16(rows[p] + 16 * c);
     for (int h = 0; h < kHeads; ++h) {
@@ -1753,6 +1773,7 @@ inline void head_weighted_rows(const T* const* rows, const float* w, int64_t len
       for (int c = 0; c < DC; ++c) odd[h][c] = _mm512_fmadd_ps(wp, v[c], odd[h][c]);
     }
   }
+  prefetch_rows<2>(ahead.rows, p, ahead.len, ahead.len, ahead.bytes);  // a longer next task's rest
   if (p < len) {
     __m512 v[DC];
     for (int c = 0; c < DC; ++c) v[c] = load16(rows[p] + 16 * c);
@@ -1770,15 +1791,21 @@ inline void head_weighted_rows(const T* const* rows, const float* w, int64_t len
 // accumulators and a row fill the 32 registers), one at a time at d = 128.
 template <int DC, typename T>
 void group_weighted_rows(const T* const* rows, const float* w, int64_t heads, int64_t len,
-                         float* out, int64_t out_stride) {
+                         float* out, int64_t out_stride, const Ahead<T>& ahead) {
   constexpr int kMaxHeads = DC <= 4 ? 3 : 1;
   int64_t h = 0;
-  for (; heads - h >= kMaxHeads; h += kMaxHeads)
-    head_weighted_rows<DC, kMaxHeads>(rows, w + h * len, len, out + h * out_stride, out_stride);
-  if (heads - h == 2)
-    head_weighted_rows<DC, 2>(rows, w + h * len, len, out + h * out_stride, out_stride);
-  if (heads - h == 1)
-    head_weighted_rows<DC, 1>(rows, w + h * len, len, out + h * out_stride, out_stride);
+  for (; heads - h >= kMaxHeads; h += kMaxHeads) {  // the first call requests `ahead`
+    head_weighted_rows<DC, kMaxHeads>(rows, w + h * len, len, out + h * out_stride, out_stride,
+                                      h == 0 ? ahead : Ahead<T>{});
+  }
+  if (heads - h == 2) {
+    head_weighted_rows<DC, 2>(rows, w + h * len, len, out + h * out_stride, out_stride,
+                              h == 0 ? ahead : Ahead<T>{});
+  }
+  if (heads - h == 1) {
+    head_weighted_rows<DC, 1>(rows, w + h * len, len, out + h * out_stride, out_stride,
+                              h == 0 ? ahead : Ahead<T>{});
+  }
 }
 #endif
 
@@ -1812,10 +1839,10 @@ void weighted_sum(const T* const* rows, const float* w, int64_t len, int64_t d, 
 // sum_p w[h * len + p] * rows[p]; on AVX-512 the heads share each row's load.
 template <typename T>
 void group_weighted_sum(const T* const* rows, const float* w, int64_t heads, int64_t len,
-                        int64_t d, float* out, int64_t out_stride) {
+                        int64_t d, float* out, int64_t out_stride, const Ahead<T>& ahead = {}) {
 #ifdef PAGEDSERVE_AVX512
-  if (d == 64) return group_weighted_rows<4>(rows, w, heads, len, out, out_stride);
-  if (d == 128) return group_weighted_rows<8>(rows, w, heads, len, out, out_stride);
+  if (d == 64) return group_weighted_rows<4>(rows, w, heads, len, out, out_stride, ahead);
+  if (d == 128) return group_weighted_rows<8>(rows, w, heads, len, out, out_stride, ahead);
 #endif
   for (int64_t h = 0; h < heads; ++h) weighted_sum(rows, w + h * len, len, d, out + h * out_stride);
 }
@@ -1885,17 +1912,23 @@ inline void head_scores(const float* q, const float* const* krows, int64_t len, 
 
 // s[g * len + p] = scale * q_g . krows[p] for the `group` query heads q_g (q + g * d) that share
 // a KV head, each head's sums the same bits in a group as alone; on AVX2 in fp32 3 heads per pass
-// over the keys.
+// over the keys. vrows (or null): the value rows the next pass reads, requested into L2 here.
 template <typename T>
 void group_attention_scores(const T* q, int64_t group, const T* const* krows, int64_t len,
-                            int64_t d, float scale, float* s) {
+                            int64_t d, float scale, float* s, const T* const* vrows = nullptr) {
 #ifdef PAGEDSERVE_AVX512
   // 16 keys at a time for every head: the 16 key rows stay in L1 for the heads after the first
   // (a whole slice's keys, 64 KB at 512 keys, would not).
   if (d % 32 == 0) {
     const __m512 scale_v = _mm512_set1_ps(scale);
+    // The cache is read block by block (16 keys = 2 KB of bf16 at d = 64) from blocks anywhere in
+    // the pool, streams too short for the hardware prefetcher: the value rows are requested
+    // into L2 as their keys are scored (and the next task's keys during the value pass).
+    // Requesting keys ahead into L1 here measured slower.
+    const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
     for (int64_t p0 = 0; p0 < len; p0 += 16) {
       const int64_t count = std::min<int64_t>(16, len - p0);
+      if (vrows) prefetch_rows<2>(vrows, p0, p0 + 16, len, row_bytes);
       for (int64_t g = 0; g < group; ++g) {
         __m512 partial[16];
         for (int i = 0; i < 16; ++i) {
@@ -2044,37 +2077,58 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
   }
   const int64_t partial_size = group * (d + 2);
   std::vector<float> partials(first_partial[tokens] * partial_size);
+  // Task `task`'s token, KV head and keys [key_begin, key_begin + len): their cache rows.
+  struct TaskRows {
+    int64_t t = 0, h = 0, slices = 1, slice = 0, key_begin = 0, len = 0;
+    std::vector<const C*> krows, vrows;
+    std::vector<int64_t> slots;  // quantized only: each key's slot, for its scales
+  };
+  auto locate = [&](int64_t task, TaskRows& r) {
+    while (task >= first_task[r.t + 1]) ++r.t;
+    r.slices = (first_task[r.t + 1] - first_task[r.t]) / kv_heads;
+    r.h = (task - first_task[r.t]) / r.slices;
+    r.slice = (task - first_task[r.t]) % r.slices;
+    r.key_begin = r.slice * kSplitKeys;
+    r.len = std::min(seq_lens[r.t], r.key_begin + kSplitKeys) - r.key_begin;
+    const int64_t* blocks = block_table + block_rows[r.t] * table_stride;
+    const C* kh = key_cache + r.h * head_stride;
+    const C* vh = value_cache + r.h * head_stride;
+    r.krows.resize(r.len);
+    r.vrows.resize(r.len);
+    if constexpr (kQuantized) r.slots.resize(r.len);
+    // slot of key key_begin + i: block b's offset, walked without a division per key
+    for (int64_t i = 0, b = r.key_begin / block_size, offset = r.key_begin % block_size; i < r.len;
+         ++i, offset = offset + 1 == block_size ? 0 : offset + 1, b += offset == 0) {
+      const int64_t slot = blocks[b] * block_size + offset;
+      r.krows[i] = kh + slot * d;
+      r.vrows[i] = vh + slot * d;
+      if constexpr (kQuantized) r.slots[i] = slot;
+    }
+  };
   at::parallel_for(0, first_task[tokens], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(group * d), scores;
     // quantized only: the widened queries, per-key scales
     std::vector<float> q32(kQuantized ? group * d : 0), key_scales, value_scales;
-    std::vector<const C*> krows, vrows;
-    int64_t t = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
+    // this task's rows and the next one's, whose keys the value pass requests ahead
+    TaskRows current, next;
+    current.t = next.t = std::upper_bound(first_task.begin(), first_task.end(), begin) -
+                         first_task.begin() - 1;
+    locate(begin, next);
     for (int64_t task = begin; task < end; ++task) {
-      while (task >= first_task[t + 1]) ++t;
-      const int64_t slices = (first_task[t + 1] - first_task[t]) / kv_heads;
-      const int64_t h = (task - first_task[t]) / slices, slice = (task - first_task[t]) % slices;
-      const int64_t key_begin = slice * kSplitKeys;
-      const int64_t len = std::min(seq_lens[t], key_begin + kSplitKeys) - key_begin;
-      const int64_t* blocks = block_table + block_rows[t] * table_stride;
-      const C* kh = key_cache + h * head_stride;
-      const C* vh = value_cache + h * head_stride;
-      const int64_t head_slots = h * num_cache_blocks * block_size;
-      krows.resize(len);
-      vrows.resize(len);
+      std::swap(current, next);
+      if (task + 1 < end) locate(task + 1, next);
+      else next.len = 0;
+      const int64_t t = current.t, h = current.h, slices = current.slices, slice = current.slice;
+      const int64_t len = current.len;
+      const std::vector<const C*>& krows = current.krows;
+      const std::vector<const C*>& vrows = current.vrows;
       if constexpr (kQuantized) {
+        const int64_t head_slots = h * num_cache_blocks * block_size;
         key_scales.resize(len);
         value_scales.resize(len);
-      }
-      // slot of key key_begin + i: block b's offset, walked without a division per key
-      for (int64_t i = 0, b = key_begin / block_size, offset = key_begin % block_size; i < len;
-           ++i, offset = offset + 1 == block_size ? 0 : offset + 1, b += offset == 0) {
-        const int64_t slot = blocks[b] * block_size + offset;
-        krows[i] = kh + slot * d;
-        vrows[i] = vh + slot * d;
-        if constexpr (kQuantized) {
-          key_scales[i] = static_cast<float>(key_scale[head_slots + slot]) * scale;
-          value_scales[i] = static_cast<float>(value_scale[head_slots + slot]);
+        for (int64_t i = 0; i < len; ++i) {
+          key_scales[i] = static_cast<float>(key_scale[head_slots + current.slots[i]]) * scale;
+          value_scales[i] = static_cast<float>(value_scale[head_slots + current.slots[i]]);
         }
       }
       scores.resize(group * len);
@@ -2084,7 +2138,7 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
         widen_row(q + t * q_token_stride + h * group * d, q32.data(), group * d);
       } else {
         group_attention_scores(q + t * q_token_stride + h * group * d, group, krows.data(), len,
-                               d, scale, scores.data());
+                               d, scale, scores.data(), vrows.data());
       }
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
@@ -2102,8 +2156,12 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
         }
       }
       // the value sums: group * d values at acc, or each head's d after its 2 statistics
-      if (partial) group_weighted_sum(vrows.data(), scores.data(), group, len, d, partial + 2, d + 2);
-      else group_weighted_sum(vrows.data(), scores.data(), group, len, d, acc.data(), d);
+      const Ahead<C> ahead{next.krows.data(), next.len, d * static_cast<int64_t>(sizeof(C))};
+      if (partial) {
+        group_weighted_sum(vrows.data(), scores.data(), group, len, d, partial + 2, d + 2, ahead);
+      } else {
+        group_weighted_sum(vrows.data(), scores.data(), group, len, d, acc.data(), d, ahead);
+      }
       if (!partial) {
         for (int64_t g = 0; g < group; ++g) {
           T* o = out + (t * heads + h * group + g) * d;
