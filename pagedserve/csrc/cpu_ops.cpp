@@ -1615,6 +1615,77 @@ void rotary_inplace(torch::Tensor qkv, int64_t heads, int64_t head_dim, torch::T
 }
 
 // ---------------------------------------------------------------------------------------------
+// torch.argmax(x, dim=-1) for (rows, V) logits: the first NaN's index where a row has one (torch
+// takes NaN as the largest), else the first index of the maximum (-0 equals 0). Greedy sampling
+// takes it every step: torch's reduction walked 32 x 49,152 fp32 logits in 0.65 ms (Zen 4, 2
+// threads), as long as the step's attention for a few hundred keys. Two passes per row, both
+// vectorized: the maximum (and any NaN), then the first position that equals it.
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  int64_t i = 0;
+  float top = -std::numeric_limits<float>::infinity();
+#ifdef PAGEDSERVE_AVX512
+  __m512 top_v = _mm512_set1_ps(top);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) break;  // a NaN: the scalar walk finds it
+    top_v = _mm512_max_ps(top_v, v);
+  }
+  top = _mm512_reduce_max_ps(top_v);
+#elif defined(PAGEDSERVE_AVX2)
+  __m256 top_v = _mm256_set1_ps(top);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load8(x + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
+    top_v = _mm256_max_ps(top_v, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top_v);
+  for (float lane : lanes) top = std::max(top, lane);
+#endif
+  for (; i < n; ++i) {
+    const float v = to_float(x[i]);
+    if (std::isnan(v)) return i;
+    top = std::max(top, v);
+  }
+  // No NaN: the first position holding the maximum (every row has one: n >= 1).
+  i = 0;
+#ifdef PAGEDSERVE_AVX512
+  const __m512 wanted = _mm512_set1_ps(top);
+  for (; i + 16 <= n; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(load16(x + i), wanted, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#elif defined(PAGEDSERVE_AVX2)
+  const __m256 wanted = _mm256_set1_ps(top);
+  for (; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + i), wanted, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i) {
+    if (to_float(x[i]) == top) return i;
+  }
+  return 0;  // not reached
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
+              "x must be (rows, V) with V > 0 and dense rows");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  torch::Tensor out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  int64_t* o = out.data_ptr<int64_t>();
+  DISPATCH_FLOAT_OR_BF16(x.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* base = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(base + r * stride, n);
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
 // silu(gate) * up over a merged (rows, 2F) projection.
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
@@ -2918,6 +2989,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "rotary embedding on q and k in place",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of (rows, V) logits",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "attention reading the paged cache in place",
         py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),

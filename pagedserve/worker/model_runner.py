@@ -33,6 +33,7 @@ from pagedserve.core.outputs import (
     TokenLogprobs,
 )
 from pagedserve.distributed import get_pp_group, get_tp_group
+from pagedserve.kernels import cpu_ops
 from pagedserve.kv_transfer.base import KVConnectorWorker
 from pagedserve.layers.outliers import calibrate_outlier_channels
 from pagedserve.lora.worker_manager import WorkerLoRAManager
@@ -127,7 +128,7 @@ class ModelRunner:
         """This rank's layers and KV heads; int8/fp8 codes with scales or the compute dtype;
         layers of different KV cache groups share slots."""
         self.kv_caches: list[KVCache] = []
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_ops.load() if device_config.cpu_kernels else None)
         self.rejection_sampler = RejectionSampler()
         self.proposer = None
         self.requests: dict[str, CachedRequestState] = {}

@@ -258,6 +258,33 @@ def test_silu_and_mul_equals_torch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_equals_torch_argmax(dtype):
+    """The same index as torch.argmax(dim=-1) in every case that has a rule: ties (the first),
+    NaN (the first NaN wins, before or after the maximum), infinities, -0 beside 0, rows
+    shorter than a vector, rows with a tail past the last whole vector, rows of a wider tensor,
+    and an empty batch."""
+    nan, inf = float("nan"), float("inf")
+    special = [[1.0, nan, 2.0], [nan, nan], [-inf, -inf], [3.0, 5.0, 5.0, 1.0], [inf, inf, 2.0],
+               [-inf, nan, inf], [0.0, -0.0], [-0.0, 0.0], [7.0]]
+    for row in special:
+        for repeats in (1, 20):  # within one vector, and across several (and a tail)
+            x = torch.tensor([row * repeats], dtype=dtype)
+            assert ops.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist(), (row, repeats)
+    late_nan = torch.randn(2, 1000)
+    late_nan[0, 900] = nan  # after many whole vectors: the vector walk stops and the tail finds it
+    late_nan[1, 999] = nan
+    generator = torch.Generator().manual_seed(0)
+    cases = [late_nan, torch.randn(0, 64)]
+    for vocab in (1, 15, 16, 17, 49152, 49153):
+        cases.append(torch.randn(33, vocab, generator=generator))
+    ties = torch.randint(0, 3, (16, 100), generator=generator).float()  # many equal maxima
+    cases += [ties, torch.randn(8, 300, generator=generator)[:, 10:250]]  # rows of a wider tensor
+    for x in cases:
+        x = x.to(dtype)
+        assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_matches_forward(dtype):
     """Same math as RotaryEmbedding.forward; the kernel computes in fp32 and rounds once, the
     torch ops round after each product in bf16: equal in fp32, within bf16 rounding in bf16."""

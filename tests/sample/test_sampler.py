@@ -102,6 +102,48 @@ def test_greedy_rows_in_mixed_batch_take_argmax_of_penalized_logits():
         assert out.sampled_token_ids[row].item() == reference.argmax(expected.penalized_logits)
 
 
+class CountingArgmax:
+    """The compiled kernels' argmax_rows, counting its calls."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels, self.calls = kernels, 0
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.kernels.argmax_rows(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_argmax_draws_the_tokens_torch_does(dtype):
+    """Greedy rows, seeded random rows (their exponential race) and a mixed batch, with ties:
+    the kernel took each argmax, and every row's token is the torch path's."""
+    from pagedserve.kernels import cpu_ops
+
+    kernels = cpu_ops.load()
+    if kernels is None:
+        pytest.skip("the compiled CPU kernels are unavailable")
+    logits = random_logits(6, seed=3).to(dtype)
+    logits[0, [4, 9]] = 50.0  # a tie: the lower id
+    batches = {
+        "greedy": [SamplingParams(temperature=0.0)] * 6,
+        "random": [SamplingParams(temperature=0.9, seed=row) for row in range(6)],
+        "mixed": [SamplingParams(temperature=0.0 if row % 2 else 0.7, seed=row, top_k=8)
+                  for row in range(6)],
+    }
+    for name, params in batches.items():
+        def metadata(params=params):  # fresh generators: both samplers draw the same numbers
+            generators = {row: torch.Generator().manual_seed(p.seed) for row, p in enumerate(params)
+                          if p.seed is not None}
+            return build(params, generators=generators)
+
+        counting = CountingArgmax(kernels)
+        fast = Sampler(counting)(logits, metadata()).sampled_token_ids
+        assert counting.calls > 0, name
+        assert torch.equal(fast, Sampler()(logits, metadata()).sampled_token_ids), name
+        if name == "greedy":
+            assert fast[0].item() == 4
+
+
 def test_empty_batch():
     out = Sampler()(torch.empty(0, VOCAB_SIZE), build([]))
     assert out.sampled_token_ids.shape == (0,)
