@@ -12,6 +12,7 @@ and the residual is p with x removed. `rejection_sample_reference` is the slow o
 from __future__ import annotations
 
 import random
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ from torch import nn
 from pagedserve.sample.sampler import (
     SamplingMetadata,
     apply_logits_processors,
+    argmax_rows,
     compute_target_probs,
     random_sample,
 )
@@ -27,6 +29,11 @@ from pagedserve.sample.sampler import (
 class RejectionSampler(nn.Module):
     """Stateless: logits of every draft position and each request's bonus position in, the
     tokens each request emits out."""
+
+    def __init__(self, kernels: ModuleType | None = None) -> None:
+        """kernels: as Sampler's (the greedy targets' argmax)."""
+        super().__init__()
+        self.kernels = kernels
 
     def forward(
         self,
@@ -40,7 +47,8 @@ class RejectionSampler(nn.Module):
         row's metadata must see the drafts before it as output tokens (penalties, min_tokens)."""
         if metadata.all_greedy:
             # The same result as rejection_sample on point-mass targets, without random draws.
-            target_ids = apply_logits_processors(logits.float(), metadata).argmax(dim=-1)
+            target_ids = argmax_rows(apply_logits_processors(logits.float(), metadata),
+                                     self.kernels)
             return greedy_verify(target_ids.tolist(), draft_token_ids)
         target_probs = compute_target_probs(logits, metadata)
         return rejection_sample(target_probs, draft_token_ids, generators, draft_probs)

@@ -128,8 +128,9 @@ class ModelRunner:
         """This rank's layers and KV heads; int8/fp8 codes with scales or the compute dtype;
         layers of different KV cache groups share slots."""
         self.kv_caches: list[KVCache] = []
-        self.sampler = Sampler(cpu_ops.load() if device_config.cpu_kernels else None)
-        self.rejection_sampler = RejectionSampler()
+        kernels = cpu_ops.load() if device_config.cpu_kernels else None  # the argmax's
+        self.sampler = Sampler(kernels)
+        self.rejection_sampler = RejectionSampler(kernels)
         self.proposer = None
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_connector: KVConnectorWorker | None = None

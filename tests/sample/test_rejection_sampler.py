@@ -184,3 +184,25 @@ def test_module_applies_request_processing_greedy_and_top_k():
         assert greedy_out == expected
         for position, token_id in enumerate(top_k_out):
             assert token_id in allowed[3 + position]
+
+
+def test_greedy_verification_takes_the_compiled_argmax():
+    """With the compiled kernels, greedy rows' targets come from argmax_rows (counted) and the
+    emitted tokens are the torch path's, ties included."""
+    from pagedserve.kernels import cpu_ops
+    from tests.sample.test_sampler import CountingArgmax
+
+    kernels = cpu_ops.load()
+    if kernels is None:
+        pytest.skip("the compiled CPU kernels are unavailable")
+    logits = torch.randn(6, VOCAB_SIZE, generator=torch.Generator().manual_seed(1))
+    logits[1, [2, 5]] = 9.0  # a tie at the first request's second position: the lower id
+    metadata = SamplingMetadata.build(
+        [SamplingParams(temperature=0)] * 6, [[]] * 6, [[]] * 6, {}, (), VOCAB_SIZE, "cpu"
+    )
+    counting = CountingArgmax(kernels)
+    for drafts in ([[0, 2], [3, 3]], [[logits[0].argmax().item(), 2], [1, 1]]):
+        fast = RejectionSampler(counting)(logits, metadata, drafts, {})
+        assert fast == RejectionSampler()(logits, metadata, drafts, {})
+    assert counting.calls == 2
+    assert fast[0][:2] == [logits[0].argmax().item(), 2]
