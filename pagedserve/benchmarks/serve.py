@@ -394,6 +394,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 # ---- numbers --------------------------------------------------------------------------------
 
 
+def safe_div(numerator: float, denominator: float) -> float | None:
+    """numerator / denominator, None where the denominator is not positive (a ratio a table
+    shows as "-")."""
+    return numerator / denominator if denominator > 0 else None
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
     ordered = sorted(values)

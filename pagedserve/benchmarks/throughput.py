@@ -10,7 +10,7 @@ its requests JSON-constrained, and the table compares them (throughput ratio, ma
 
 With --compare-no-prefix-cache (doc-qa), the founding document's method for document QA: each
 document's first questions, then the repeats, run by an engine without the prefix cache and then
-by a fresh one with it (see compare_prefix_cache).
+by a fresh one with it (benchmarks/prefix_cache.py).
 
 With --compare-no-hybrid-kv, a sliding-window model's KV held per request with KV managed per
 layer group and with every block kept (benchmarks/hybrid_kv.py).
@@ -37,19 +37,20 @@ from pagedserve.benchmarks.datasets import (
     Workload,
     add_dataset_args,
     make_workload,
-    num_questions_per_doc,
-    split_first_questions,
 )
+from pagedserve.benchmarks.event_cost import compare_events, format_events_comparison
 from pagedserve.benchmarks.hybrid_kv import compare_hybrid_kv, format_hybrid_kv_table
-from pagedserve.benchmarks.serve import percentile
+from pagedserve.benchmarks.prefix_cache import (
+    compare_prefix_cache,
+    format_prefix_cache_table,
+)
+from pagedserve.benchmarks.serve import percentile, safe_div
 from pagedserve.benchmarks.step_profile import format_profile, profile_steps
 from pagedserve.config import ACTIVATION_QUANTIZATION_MODES
 from pagedserve.core.stats import SpecDecodingStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.observability.events import EventBus, RequestScheduled
-from pagedserve.observability.timeline import TimelineStore
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.tokenizer import Tokenizer
@@ -131,10 +132,6 @@ def _fixed_length_params(output_len: int) -> SamplingParams:
     return SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)
 
 
-def _safe_div(numerator: float, denominator: float) -> float | None:
-    return numerator / denominator if denominator > 0 else None
-
-
 def default_json_schema(output_len: int) -> dict[str, Any]:
     """An array that cannot close within output_len tokens (each item takes at least one digit
     and a comma): constrained requests then run exactly as long as unconstrained ones, so the
@@ -211,7 +208,7 @@ def run_pagedserve(
         "prefix_cache_hits": stat_delta("prefix_cache_hits"),
         "num_cached_tokens": num_cached_tokens,
         # Cached / prompt tokens: with a KV tier (--kv-transfer-config), tier hits count too.
-        "prefix_cache_hit_rate": _safe_div(num_cached_tokens, workload.num_prompt_tokens),
+        "prefix_cache_hit_rate": safe_div(num_cached_tokens, workload.num_prompt_tokens),
         "num_preemptions": stat_delta("num_preemptions"),
         "num_threads": torch.get_num_threads(),
         "spec_decode": spec_decode,
@@ -223,7 +220,7 @@ def run_pagedserve(
         metrics.update(
             num_constrained_requests=sum(p is not plain_params for p in params_list),
             num_mask_steps=num_mask_steps,
-            mask_ms_per_step=_safe_div(mask_seconds * 1000, num_mask_steps),
+            mask_ms_per_step=safe_div(mask_seconds * 1000, num_mask_steps),
             mask_share_of_elapsed=mask_seconds / elapsed,
             num_constrained_finished_early=sum(
                 out.outputs[0].finish_reason == "stop" for out in outputs),
@@ -308,9 +305,9 @@ def _phase_metrics(
         "p99_ttft_s": percentile(ttfts, 99),
         "mean_tpot_s": sum(tpots) / len(tpots) if tpots else None,
         "prefill_time_s": last_first_token - start,
-        "prefill_tokens_per_s": _safe_div(num_prompt_tokens_computed, last_first_token - start),
+        "prefill_tokens_per_s": safe_div(num_prompt_tokens_computed, last_first_token - start),
         "decode_time_s": last_token - last_first_token,
-        "decode_tokens_per_s": _safe_div(num_decode_tokens, last_token - last_first_token),
+        "decode_tokens_per_s": safe_div(num_decode_tokens, last_token - last_first_token),
     }
 
 
@@ -473,14 +470,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         )
         result["spec_speedup"] = {
             "output_tokens_per_s": ours["output_tokens_per_s"] / no_spec["output_tokens_per_s"],
-            "mean_tpot": _safe_div(no_spec["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
+            "mean_tpot": safe_div(no_spec["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
         }
     if one_process is not None:
         one_process["num_outputs_identical_to_ours"] = sum(
             a == b for a, b in zip(our_output_ids, one_process_output_ids))
         result["parallel_speedup"] = {
             "output_tokens_per_s": ours["output_tokens_per_s"] / one_process["output_tokens_per_s"],
-            "mean_tpot": _safe_div(one_process["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
+            "mean_tpot": safe_div(one_process["mean_tpot_s"] or 0.0, ours["mean_tpot_s"] or 0.0),
         }
     if args.baseline == "hf":
         hf, hf_output_ids = run_hf(model_path, dtype, workload, args.hf_batch_size)
@@ -497,78 +494,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         table += "\n" + format_events_comparison(events)
     _emit(result, table + (f"\n{profile_table}" if profile_table else ""), args.output_json)
     return result
-
-
-def compare_events(llm: LLM, workload: Workload, rounds: int) -> dict[str, Any]:
-    """--compare-events: the cost of observing the event stream. Each round runs the batch
-    without a subscriber and with a TimelineStore subscribed (the server's consumer), in
-    alternating order so that neither side always runs first; the ratio is per round.
-
-    On a noisy machine the ratio's spread can exceed the cost, so the cost is also measured
-    directly: the time spent in the subscribers (EventBus.publish_seconds) plus the events
-    emitted times what building and queueing one costs (timed here, on this machine), as a
-    share of the observed runs' wall time."""
-    bus = llm.engine.events
-    runs: dict[str, list[float]] = {"off": [], "on": []}
-    ratios, num_identical, num_compared = [], 0, 0
-    on_elapsed, publish_before, emitted_before = 0.0, bus.publish_seconds, bus.num_published
-    for index in range(rounds):
-        round_ids = {}
-        for mode in (("off", "on") if index % 2 == 0 else ("on", "off")):
-            unsubscribe = None
-            if mode == "on":
-                store = TimelineStore()
-                unsubscribe = llm.engine.events.subscribe(store.on_events)
-            metrics, round_ids[mode] = run_pagedserve(llm, workload)
-            if mode == "on":
-                on_elapsed += metrics["elapsed_s"]
-            if unsubscribe is not None:
-                unsubscribe()
-                assert len(store.recent(1)) == 1, "the timeline store saw no request"
-            runs[mode].append(metrics["output_tokens_per_s"])
-        ratios.append(runs["on"][-1] / runs["off"][-1])
-        num_identical += sum(a == b for a, b in zip(round_ids["off"], round_ids["on"]))
-        num_compared += len(round_ids["off"])
-    ordered = sorted(ratios)
-    num_emitted = bus.num_published - emitted_before
-    emit_seconds = num_emitted * _seconds_per_emitted_event()
-    subscriber_seconds = bus.publish_seconds - publish_before
-    return {"rounds": rounds, "num_events": num_emitted,
-            "subscriber_seconds": subscriber_seconds, "emit_seconds_estimate": emit_seconds,
-            "measured_cost_share": (subscriber_seconds + emit_seconds) / on_elapsed,
-            "output_tokens_per_s_off": runs["off"],
-            "output_tokens_per_s_on": runs["on"], "ratio_on_to_off_per_round": ratios,
-            "median_ratio_on_to_off": ordered[len(ordered) // 2],
-            "num_outputs_identical": num_identical, "num_outputs_compared": num_compared}
-
-
-def _seconds_per_emitted_event() -> float:
-    """What one emit costs on an enabled bus: build a RequestScheduled (the commonest event)
-    behind the `enabled` check and queue it; the best of three batches."""
-    bus = EventBus()
-    bus.subscribe(lambda events: None)
-    num_events = 20000
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for step in range(num_events):
-            if bus.enabled:
-                bus.emit(RequestScheduled("req-0", step, 1, 100, "decode", 0))
-        best = min(best, time.perf_counter() - start)
-        bus.publish()
-    return best / num_events
-
-
-def format_events_comparison(events: dict[str, Any]) -> str:
-    per_round = ", ".join(f"{ratio:.3f}" for ratio in events["ratio_on_to_off_per_round"])
-    return (f"event stream observed vs not, {events['rounds']} rounds: output tok/s ratio "
-            f"median {events['median_ratio_on_to_off']:.3f} (per round: {per_round}); "
-            f"outputs identical {events['num_outputs_identical']}/"
-            f"{events['num_outputs_compared']}\n"
-            f"  measured cost: {events['num_events']} events, "
-            f"{1000 * events['subscriber_seconds']:.1f} ms in subscribers + "
-            f"{1000 * events['emit_seconds_estimate']:.1f} ms emitting = "
-            f"{100 * events['measured_cost_share']:.2f}% of the observed runs' wall time")
 
 
 def _config(
@@ -621,164 +546,6 @@ def _emit(result: dict[str, Any], table: str, output_json: str | None) -> None:
     if output_json:
         with open(output_json, "w") as f:
             json.dump(result, f, indent=2)
-
-
-PREFIX_CACHE_RUNS = (
-    # (result key, table column)
-    ("cache_off_first", "off: first"),
-    ("cache_off_repeats", "off: repeats"),
-    ("cache_on_first", "on: first"),
-    ("cache_on_repeats", "on: repeats"),
-)
-
-
-def compare_prefix_cache(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
-    """--compare-no-prefix-cache: the doc-qa workload with the prefix cache off and on.
-
-    The workload splits into each document's first question and the repeats; each engine runs
-    the first questions, then (without a reset) the repeats, as two timed batches:
-
-        engine                          | first questions        | repeats
-        cache off (and no KV tier)      | every token computed   | every token computed
-        cache on, fresh                 | cold: every token      | warm: the documents cached
-
-    So each "on" batch compares with the "off" batch of the same prompts and batch size. The
-    "off" engine is freed before the "on" one is made. Any other engine flag (--kv-cache-dtype,
-    --kv-transfer-config, a smaller --kv-cache-memory) applies to the "on" engine.
-    NOTE: a KV tier that persists between invocations (a disk or Redis store) may already hold
-    the documents; "on: first" then shows cached tokens and is not cold.
-    """
-    if args.dataset != "doc-qa" or args.chat_prompt:
-        raise ValueError("--compare-no-prefix-cache needs --dataset doc-qa")
-    if not engine_args.enable_prefix_caching:
-        raise ValueError("--compare-no-prefix-cache compares against the prefix cache: drop "
-                         "--no-enable-prefix-caching")
-    refuse_other_run_flags(args, "--compare-no-prefix-cache")
-    if num_questions_per_doc(args) < 2:
-        raise ValueError("--compare-no-prefix-cache needs --questions-per-doc >= 2")
-    load_average_start = os.getloadavg()[0]
-    engine_kwargs = {
-        # Off means off: no KV tier either (one that saves would warm it for the "on" engine).
-        "off": {**vars(engine_args), "enable_prefix_caching": False, "kv_transfer_config": None},
-        "on": vars(engine_args),
-    }
-    runs: dict[str, dict[str, Any]] = {}
-    output_ids: dict[str, list[list[int]]] = {}
-    for cache, kwargs in engine_kwargs.items():
-        llm = LLM(**kwargs)
-        if cache == "off":
-            model_path, dtype = llm.engine.config.model_path, llm.engine.config.device.dtype
-            workload = make_workload(args, llm.get_tokenizer().vocab_size)
-            first, repeats = split_first_questions(workload, args.num_docs)
-        for name, batch in (("first", first), ("repeats", repeats)):
-            key = f"cache_{cache}_{name}"
-            runs[key], output_ids[key] = run_pagedserve(llm, batch, cold=name == "first")
-        llm.engine.shutdown()  # stops the worker processes, if any
-        llm.engine.assert_idle()
-        del llm  # free the KV pool before the next engine is made
-        gc.collect()
-
-    off_ids = output_ids["cache_off_first"] + output_ids["cache_off_repeats"]
-    on_ids = output_ids["cache_on_first"] + output_ids["cache_on_repeats"]
-    config = _config(args, engine_args, workload, model_path, dtype, load_average_start)
-    config.update(questions_per_doc=num_questions_per_doc(args),
-                  block_size=engine_args.block_size,
-                  load_average_1min_end=os.getloadavg()[0])
-    return {
-        "config": config,
-        "prefix_cache": {
-            **runs,
-            "cache_off_total": _totals(runs["cache_off_first"], runs["cache_off_repeats"]),
-            "cache_on_total": _totals(runs["cache_on_first"], runs["cache_on_repeats"]),
-            "repeats_on_vs_off": _on_vs_off(runs["cache_on_repeats"], runs["cache_off_repeats"]),
-            "first_on_vs_off": _on_vs_off(runs["cache_on_first"], runs["cache_off_first"]),
-            # Greedy both ways: cached KV must not change a token (fp32; bf16 may flip
-            # near-ties, since a cached prefix was computed in another batch).
-            "num_outputs_identical": sum(a == b for a, b in zip(off_ids, on_ids)),
-            "num_outputs_compared": len(off_ids),
-        },
-    }
-
-
-def _totals(*runs: dict[str, Any]) -> dict[str, Any]:
-    """Counters summed over batches (timings do not add up across batches: see each batch)."""
-    keys = ("num_requests", "num_prompt_tokens", "num_prompt_tokens_computed",
-            "num_cached_tokens", "num_output_tokens", "elapsed_s")
-    totals = {key: sum(run[key] for run in runs) for key in keys}
-    totals["prefix_cache_hit_rate"] = _safe_div(totals["num_cached_tokens"],
-                                                totals["num_prompt_tokens"])
-    return totals
-
-
-def _on_vs_off(on: dict[str, Any], off: dict[str, Any]) -> dict[str, float | None]:
-    """The same prompts in the same batch, cache on against off: > 1 is faster, < 1 less work."""
-    return {
-        "mean_ttft_speedup": _safe_div(off["mean_ttft_s"], on["mean_ttft_s"]),
-        "median_ttft_speedup": _safe_div(off["median_ttft_s"], on["median_ttft_s"]),
-        "p99_ttft_speedup": _safe_div(off["p99_ttft_s"], on["p99_ttft_s"]),
-        "output_tokens_per_s_ratio": _safe_div(on["output_tokens_per_s"],
-                                               off["output_tokens_per_s"]),
-        "prompt_tokens_computed_ratio": _safe_div(on["num_prompt_tokens_computed"],
-                                                  off["num_prompt_tokens_computed"]),
-    }
-
-
-def format_prefix_cache_table(result: dict[str, Any]) -> str:
-    config, compared = result["config"], result["prefix_cache"]
-    rows = [
-        ("prompts", "num_requests", "d"),
-        ("prompt tokens", "num_prompt_tokens", "d"),
-        ("prompt tokens computed", "num_prompt_tokens_computed", "d"),
-        ("cached prompt tokens", "num_cached_tokens", "d"),
-        ("prefix-cache hit rate", "prefix_cache_hit_rate", ".1%"),
-        ("mean TTFT (ms)", "mean_ttft_s", "ms"),
-        ("p50 TTFT (ms)", "median_ttft_s", "ms"),
-        ("p99 TTFT (ms)", "p99_ttft_s", "ms"),
-        ("output tokens/s", "output_tokens_per_s", ".1f"),
-        ("mean time per output token (ms)", "mean_tpot_s", "ms"),
-        ("total time (s)", "elapsed_s", ".2f"),
-        ("preemptions", "num_preemptions", "d"),
-    ]
-    width, cell_width = 34, 14
-    lines = [
-        f"model {os.path.basename(config['model_path'])}  dtype {config['dtype']}  dataset "
-        f"doc-qa  {config['num_docs']} docs x {config['questions_per_doc']} questions  doc len "
-        f"{config['doc_len']}  question len {config['question_len'] + config['quote_len']}  "
-        f"output len {config['output_len']}  block size {config['block_size']}  threads "
-        f"{config['num_threads']}  load avg {config['load_average_1min_start']:.2f} -> "
-        f"{config['load_average_1min_end']:.2f}",
-        "prefix cache off, then a fresh engine with it on; each runs the first questions "
-        "(one per document), then the repeats",
-        f"{'':<{width}}" + "".join(f"{label:>{cell_width}}" for _, label in PREFIX_CACHE_RUNS),
-    ]
-    for label, key, fmt in rows:
-        cells = []
-        for run_key, _ in PREFIX_CACHE_RUNS:
-            value = compared[run_key].get(key)
-            if value is not None and fmt == "ms":
-                value, fmt_used = value * 1000, ".1f"
-            else:
-                fmt_used = fmt
-            cells.append("-" if value is None else format(value, fmt_used))
-        lines.append(f"{label:<{width}}" + "".join(f"{cell:>{cell_width}}" for cell in cells))
-    lines.append(f"{'outputs identical, on vs off':<{width}}"
-                 f"{compared['num_outputs_identical']:>{cell_width}} / "
-                 f"{compared['num_outputs_compared']}")
-
-    def ratio(value: float | None, suffix: str = "x") -> str:
-        return "-" if value is None else f"{value:.2f}{suffix}"
-
-    for label, key in (("repeats", "repeats_on_vs_off"), ("first questions", "first_on_vs_off")):
-        r = compared[key]
-        lines.append(
-            f"cache on / off, {label}: TTFT {ratio(r['mean_ttft_speedup'])} faster (mean), "
-            f"{ratio(r['median_ttft_speedup'])} (p50), {ratio(r['p99_ttft_speedup'])} (p99); "
-            f"output tokens/s {ratio(r['output_tokens_per_s_ratio'])}; prompt tokens computed "
-            f"{ratio(r['prompt_tokens_computed_ratio'])}")
-    if compared["cache_on_first"]["num_cached_tokens"]:
-        lines.append("NOTE: the first questions found cached tokens with the cache on (a KV tier "
-                     "kept from an earlier run?): that batch was not cold")
-    return "\n".join(lines)
 
 
 def format_table(result: dict[str, Any]) -> str:

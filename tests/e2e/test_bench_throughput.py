@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from pagedserve.benchmarks import activation_modes, hybrid_kv, throughput
+from pagedserve.benchmarks import activation_modes, hybrid_kv, prefix_cache, throughput
 from pagedserve.models.loader import DEFAULT_MODEL
 from tests.shared_engines import SUITE_ACTIVATION_QUANTIZATION
 
@@ -34,6 +34,7 @@ def run_bench(make_llm, monkeypatch):
     monkeypatch.setattr(throughput, "LLM", llm_over_shared_weights)
     monkeypatch.setattr(hybrid_kv, "LLM", llm_over_shared_weights)
     monkeypatch.setattr(activation_modes, "LLM", llm_over_shared_weights)
+    monkeypatch.setattr(prefix_cache, "LLM", llm_over_shared_weights)
 
     def run(*flags: str) -> dict:
         parser = argparse.ArgumentParser()
