@@ -2028,14 +2028,16 @@ void group_attention_scores(const T* q, int64_t group, const T* const* krows, in
 }
 
 // Scores against a quantized cache: s[p] = (q . codes[p]) * key_scales[p], the query widened to
-// fp32 and key_scales holding each key's scale times the softmax scale.
+// fp32 and key_scales holding each key's scale times the softmax scale. vrows (or null): the
+// value rows the value pass reads, requested into L2 here (AVX-512).
 template <typename C>
 void attention_scores_codes(const float* q, const C* const* krows, const float* key_scales,
-                            int64_t len, int64_t d, float* s) {
+                            int64_t len, int64_t d, float* s, const C* const* vrows = nullptr) {
 #ifdef PAGEDSERVE_AVX512
   if (d % 16 == 0) {
     for (int64_t p0 = 0; p0 < len; p0 += 16) {
       const int64_t count = std::min<int64_t>(16, len - p0);
+      if (vrows) prefetch_rows<2>(vrows, p0, p0 + 16, len, d * static_cast<int64_t>(sizeof(C)));
       const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
       __m512 partial[16];
       for (int i = 0; i < 16; ++i) {
@@ -2214,7 +2216,9 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
         if constexpr (kQuantized) {
-          attention_scores_codes(q32.data() + g * d, krows.data(), key_scales.data(), len, d, s);
+          // the first head's pass requests the value rows, as group_attention_scores does
+          attention_scores_codes(q32.data() + g * d, krows.data(), key_scales.data(), len, d, s,
+                                 g == 0 ? vrows.data() : nullptr);
         }
         if (partial) {  // unnormalized: the merge divides by the slices' total
           partial[g * (d + 2)] = max_of(s, len);
