@@ -1864,19 +1864,15 @@ template <int DC, typename T>
 void group_weighted_rows(const T* const* rows, const float* w, int64_t heads, int64_t len,
                          float* out, int64_t out_stride, const Ahead<T>& ahead) {
   constexpr int kMaxHeads = DC <= 4 ? 3 : 1;
+  Ahead<T> pending = ahead;  // requested by the first call only
   int64_t h = 0;
-  for (; heads - h >= kMaxHeads; h += kMaxHeads) {  // the first call requests `ahead`
+  for (; heads - h >= kMaxHeads; h += kMaxHeads, pending = {})
     head_weighted_rows<DC, kMaxHeads>(rows, w + h * len, len, out + h * out_stride, out_stride,
-                                      h == 0 ? ahead : Ahead<T>{});
-  }
-  if (heads - h == 2) {
-    head_weighted_rows<DC, 2>(rows, w + h * len, len, out + h * out_stride, out_stride,
-                              h == 0 ? ahead : Ahead<T>{});
-  }
-  if (heads - h == 1) {
-    head_weighted_rows<DC, 1>(rows, w + h * len, len, out + h * out_stride, out_stride,
-                              h == 0 ? ahead : Ahead<T>{});
-  }
+                                      pending);
+  if (heads - h == 2)
+    head_weighted_rows<DC, 2>(rows, w + h * len, len, out + h * out_stride, out_stride, pending);
+  if (heads - h == 1)
+    head_weighted_rows<DC, 1>(rows, w + h * len, len, out + h * out_stride, out_stride, pending);
 }
 #endif
 
@@ -2150,38 +2146,45 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
   }
   const int64_t partial_size = group * (d + 2);
   std::vector<float> partials(first_partial[tokens] * partial_size);
-  // Task `task`'s token, KV head and keys [key_begin, key_begin + len): their cache rows.
+  // Task `task`'s token t, KV head h and slice of keys (len of them): their cache rows and,
+  // quantized, their scales (the keys' times the softmax scale).
   struct TaskRows {
-    int64_t t = 0, h = 0, slices = 1, slice = 0, key_begin = 0, len = 0;
+    int64_t t = 0, h = 0, slices = 1, slice = 0, len = 0;
     std::vector<const C*> krows, vrows;
-    std::vector<int64_t> slots;  // quantized only: each key's slot, for its scales
+    std::vector<float> key_scales, value_scales;  // quantized only
   };
   auto locate = [&](int64_t task, TaskRows& r) {
     while (task >= first_task[r.t + 1]) ++r.t;
     r.slices = (first_task[r.t + 1] - first_task[r.t]) / kv_heads;
     r.h = (task - first_task[r.t]) / r.slices;
     r.slice = (task - first_task[r.t]) % r.slices;
-    r.key_begin = r.slice * kSplitKeys;
-    r.len = std::min(seq_lens[r.t], r.key_begin + kSplitKeys) - r.key_begin;
+    const int64_t key_begin = r.slice * kSplitKeys;
+    r.len = std::min(seq_lens[r.t], key_begin + kSplitKeys) - key_begin;
     const int64_t* blocks = block_table + block_rows[r.t] * table_stride;
     const C* kh = key_cache + r.h * head_stride;
     const C* vh = value_cache + r.h * head_stride;
+    const int64_t head_slots = r.h * num_cache_blocks * block_size;
     r.krows.resize(r.len);
     r.vrows.resize(r.len);
-    if constexpr (kQuantized) r.slots.resize(r.len);
+    if constexpr (kQuantized) {
+      r.key_scales.resize(r.len);
+      r.value_scales.resize(r.len);
+    }
     // slot of key key_begin + i: block b's offset, walked without a division per key
-    for (int64_t i = 0, b = r.key_begin / block_size, offset = r.key_begin % block_size; i < r.len;
+    for (int64_t i = 0, b = key_begin / block_size, offset = key_begin % block_size; i < r.len;
          ++i, offset = offset + 1 == block_size ? 0 : offset + 1, b += offset == 0) {
       const int64_t slot = blocks[b] * block_size + offset;
       r.krows[i] = kh + slot * d;
       r.vrows[i] = vh + slot * d;
-      if constexpr (kQuantized) r.slots[i] = slot;
+      if constexpr (kQuantized) {
+        r.key_scales[i] = static_cast<float>(key_scale[head_slots + slot]) * scale;
+        r.value_scales[i] = static_cast<float>(value_scale[head_slots + slot]);
+      }
     }
   };
   at::parallel_for(0, first_task[tokens], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(group * d), scores;
-    // quantized only: the widened queries, per-key scales
-    std::vector<float> q32(kQuantized ? group * d : 0), key_scales, value_scales;
+    std::vector<float> q32(kQuantized ? group * d : 0);  // quantized only: the widened queries
     // this task's rows and the next one's, whose keys the value pass requests ahead
     TaskRows current, next;
     current.t = next.t = std::upper_bound(first_task.begin(), first_task.end(), begin) -
@@ -2195,15 +2198,6 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
       const int64_t len = current.len;
       const std::vector<const C*>& krows = current.krows;
       const std::vector<const C*>& vrows = current.vrows;
-      if constexpr (kQuantized) {
-        const int64_t head_slots = h * num_cache_blocks * block_size;
-        key_scales.resize(len);
-        value_scales.resize(len);
-        for (int64_t i = 0; i < len; ++i) {
-          key_scales[i] = static_cast<float>(key_scale[head_slots + current.slots[i]]) * scale;
-          value_scales[i] = static_cast<float>(value_scale[head_slots + current.slots[i]]);
-        }
-      }
       scores.resize(group * len);
       float* partial = slices > 1 ? partials.data() +
           (first_partial[t] + h * slices + slice) * partial_size : nullptr;
@@ -2217,8 +2211,8 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
         float* s = scores.data() + g * len;
         if constexpr (kQuantized) {
           // the first head's pass requests the value rows, as group_attention_scores does
-          attention_scores_codes(q32.data() + g * d, krows.data(), key_scales.data(), len, d, s,
-                                 g == 0 ? vrows.data() : nullptr);
+          attention_scores_codes(q32.data() + g * d, krows.data(), current.key_scales.data(),
+                                 len, d, s, g == 0 ? vrows.data() : nullptr);
         }
         if (partial) {  // unnormalized: the merge divides by the slices' total
           partial[g * (d + 2)] = max_of(s, len);
@@ -2227,7 +2221,7 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
           softmax_inplace(s, len);
         }
         if constexpr (kQuantized) {
-          for (int64_t i = 0; i < len; ++i) s[i] *= value_scales[i];
+          for (int64_t i = 0; i < len; ++i) s[i] *= current.value_scales[i];
         }
       }
       // the value sums: group * d values at acc, or each head's d after its 2 statistics
