@@ -760,28 +760,74 @@ inline void add_outliers(const OutlierChannels& outliers, const float* x, int ro
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// silu(gate) * up of one row of f values, rounded where torch's F.silu(gate) * up rounds (after
+// silu, after the product): silu_and_mul's rows, and the gated product's (quant_linear_silu_mul).
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t f) {
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX512
+  for (; i + 16 <= f; i += 16) {
+    const __m512 g = load16(gate + i);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = round_as(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), gate);
+    store16(out + i, _mm512_mul_ps(silu, load16(up + i)));
+  }
+#elif defined(PAGEDSERVE_AVX2)
+  for (; i + 8 <= f; i += 8) {
+    const __m256 g = load8(gate + i);
+    // exp256 takes x <= 88; beyond, exp(-g) is inf, as exp512's is: silu(g) = -0
+    const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), g);
+    const __m256 big = _mm256_set1_ps(88.f);
+    const __m256 e = _mm256_blendv_ps(exp256(_mm256_min_ps(neg, big)),
+                                      _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                                      _mm256_cmp_ps(neg, big, _CMP_GT_OQ));
+    const __m256 silu = round_as8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), gate);
+    store8(out + i, _mm256_mul_ps(silu, load8(up + i)));
+  }
+#endif
+  for (; i < f; ++i) {
+    // rounded where torch's F.silu(gate) * up rounds: after silu, after the product
+    const float g = to_float(gate[i]);
+    const float silu = to_float(from_float<T>(g / (1.f + std::exp(-g))));
+    out[i] = from_float<T>(silu * to_float(up[i]));
+  }
+}
+
+// y = x W^T (+ bias) for the rows of xr, or with `silu_mul` the gated form: W's first n / 2 rows
+// are a gate projection and the rest an up projection (a merged gate_up layer, n / 2 a multiple
+// of 16), and y (rows, n / 2) = silu(gate) * up. Each gate and up value is rounded to T as the
+// plain product stores it and silu_mul_row then runs as silu_and_mul does, so the gated form is
+// bitwise silu_and_mul of the plain product; but the (rows, n) product is never written out and
+// read back (at a 2,000-token prefill, 12 MB per layer for SmolLM2), and the work is one pass.
 template <int kBits, typename Q, typename S, typename T>
 void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, const uint8_t* codes,
                        const S* scales, const S* mins, const T* bias, int64_t n, T* y,
-                       const OutlierChannels& outliers) {
+                       const OutlierChannels& outliers, bool silu_mul = false) {
   const int64_t groups = k / kGroup;
   const int64_t blocks = (n + 15) / 16;
   const int64_t block_code_bytes = groups * (kBits == 4 ? 4 : 8) * 64;
+  // gated: work item b is gate block b and up block b + half, whose rows meet in silu_mul_row
+  const int64_t half = blocks / 2, items = silu_mul ? half : blocks;
   for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
     const int64_t chunk_end = std::min(rows, chunk + kRowChunk);
     const bool panels = kIntegerPanels && std::is_same_v<Q, int16_t> &&
                         chunk_end - chunk >= kPanelMinRows;
     const int64_t row_tile = panels ? kPanelTile : kRowTile;
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float tile[kRowTile * 16];
+      // gated: the chunk's gate values of the item, rounded to T, until its up block comes
+      std::vector<T> gates(silu_mul ? kRowChunk * 16 : 0);
+      T up[16];
 #ifdef PAGEDSERVE_AVX2_INTEGER
       // 32-byte aligned by hand: std::vector drops __m256i's alignment attribute
       std::vector<uint8_t> panel_bytes(panels ? groups * 2 * kGroup * 32 + 32 : 0);
       auto* panel = reinterpret_cast<__m256i*>(
           (reinterpret_cast<uintptr_t>(panel_bytes.data()) + 31) & ~uintptr_t{31});
 #endif
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t col0 = b * 16, cols = std::min<int64_t>(16, n - col0);
+      // Column block b over the chunk's rows: emit(row, values) for each row's 16 fp32 values.
+      auto run_block = [&](int64_t b, auto&& emit) {
+        const int64_t col0 = b * 16;
         const S* block_scales = scales + b * groups * 16;
         const S* block_mins = mins + b * groups * 16;
 #ifdef PAGEDSERVE_AVX2_INTEGER
@@ -805,13 +851,28 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
           if (outliers.count)
             add_outliers(outliers, xr.outlier_x.data() + r * outliers.count, tile_rows, col0,
                          tile);
-          for (int i = 0; i < tile_rows; ++i) {
-            if (bias) {
-              for (int64_t col = 0; col < cols; ++col) tile[i * 16 + col] += to_float(bias[col0 + col]);
-            }
-            store_row(tile + i * 16, y + (r + i) * n + col0, cols);
-          }
+          for (int i = 0; i < tile_rows; ++i) emit(r + i, tile + i * 16);
         }
+      };
+      for (int64_t b = begin; b < end; ++b) {
+        if (silu_mul) {
+          run_block(b, [&](int64_t row, float* values) {
+            store_row(values, gates.data() + (row - chunk) * 16, 16);
+          });
+          run_block(b + half, [&](int64_t row, float* values) {
+            store_row(values, up, 16);
+            silu_mul_row(gates.data() + (row - chunk) * 16, up, y + row * (n / 2) + b * 16,
+                         int64_t{16});
+          });
+          continue;
+        }
+        const int64_t col0 = b * 16, cols = std::min<int64_t>(16, n - col0);
+        run_block(b, [&](int64_t row, float* values) {
+          if (bias) {
+            for (int64_t col = 0; col < cols; ++col) values[col] += to_float(bias[col0 + col]);
+          }
+          store_row(values, y + row * n + col0, cols);
+        });
       }
     });
   }
@@ -821,14 +882,14 @@ template <typename Q, typename T>
 void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
                            const uint8_t* codes, const torch::Tensor& scales,
                            const torch::Tensor& mins, const T* bias, int64_t n, T* y,
-                           const OutlierChannels& outliers) {
+                           const OutlierChannels& outliers, bool silu_mul) {
   const QuantizedRows<Q> xr = quantize_rows<Q>(x, rows, k, outliers);
   auto run = [&](auto* s, auto* m) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
     if (bits == 4) {
-      quant_linear_impl<4, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers);
+      quant_linear_impl<4, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers, silu_mul);
     } else {
-      quant_linear_impl<8, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers);
+      quant_linear_impl<8, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers, silu_mul);
     }
   };
   if (scales.scalar_type() == torch::kFloat32) {
@@ -1202,11 +1263,14 @@ void check_layout(const torch::Tensor& codes, const torch::Tensor& scales,
 // and integer dot products (VNNI); 32: exact weights and fp32 sums (the fp32 compute path).
 // outlier_channels (int64 [count], ascending) and outlier_weights (fp16 [count, N padded to 16]):
 // see OutlierChannels; quantized activations only.
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                           torch::Tensor mins, int64_t n, int64_t bits, int64_t activation_bits,
-                           c10::optional<torch::Tensor> bias,
-                           c10::optional<torch::Tensor> outlier_channels,
-                           c10::optional<torch::Tensor> outlier_weights) {
+// silu_mul: quant_linear_silu_mul's gated form (no bias).
+torch::Tensor quant_linear_product(const torch::Tensor& x, const torch::Tensor& codes,
+                                   const torch::Tensor& scales, const torch::Tensor& mins,
+                                   int64_t n, int64_t bits, int64_t activation_bits,
+                                   const c10::optional<torch::Tensor>& bias,
+                                   const c10::optional<torch::Tensor>& outlier_channels,
+                                   const c10::optional<torch::Tensor>& outlier_weights,
+                                   bool silu_mul) {
   TORCH_CHECK(x.dim() == 2, "x must be (rows, K)");
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 32,
               "activation_bits must be 8, 16 or 32 (fp32, exact weights)");
@@ -1230,7 +1294,9 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     outliers = OutlierChannels{ch, w.data_ptr<c10::Half>(), c.numel(), w.size(1)};
   }
   torch::Tensor xc = x.contiguous();
-  torch::Tensor y = torch::empty({rows, n}, x.options());
+  TORCH_CHECK(!silu_mul || (activation_bits != 32 && !bias && n % 32 == 0),
+              "the gated product takes quantized activations, no bias, and n / 2 a multiple of 16");
+  torch::Tensor y = torch::empty({rows, silu_mul ? n / 2 : n}, x.options());
   torch::Tensor b;
   if (bias) {
     b = bias->to(x.scalar_type()).contiguous();
@@ -1245,13 +1311,33 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
                                       n, y.data_ptr<scalar_t>());
     } else if (activation_bits == 8) {
       quant_linear_dispatch<int8_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c, scales, mins, bp,
-                                    n, y.data_ptr<scalar_t>(), outliers);
+                                    n, y.data_ptr<scalar_t>(), outliers, silu_mul);
     } else {
       quant_linear_dispatch<int16_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c, scales, mins,
-                                     bp, n, y.data_ptr<scalar_t>(), outliers);
+                                     bp, n, y.data_ptr<scalar_t>(), outliers, silu_mul);
     }
   });
   return y;
+}
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           torch::Tensor mins, int64_t n, int64_t bits, int64_t activation_bits,
+                           c10::optional<torch::Tensor> bias,
+                           c10::optional<torch::Tensor> outlier_channels,
+                           c10::optional<torch::Tensor> outlier_weights) {
+  return quant_linear_product(x, codes, scales, mins, n, bits, activation_bits, bias,
+                              outlier_channels, outlier_weights, false);
+}
+
+// silu(gate) * up of a merged gate_up layer (n = 2F rows, gate first), without its (rows, n)
+// product: bitwise silu_and_mul(quant_linear(...)). See quant_linear_impl.
+torch::Tensor quant_linear_silu_mul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                    torch::Tensor mins, int64_t n, int64_t bits,
+                                    int64_t activation_bits,
+                                    c10::optional<torch::Tensor> outlier_channels,
+                                    c10::optional<torch::Tensor> outlier_weights) {
+  return quant_linear_product(x, codes, scales, mins, n, bits, activation_bits, c10::nullopt,
+                              outlier_channels, outlier_weights, true);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1696,35 +1782,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        int64_t i = 0;
-#ifdef PAGEDSERVE_AVX512
-        for (; i + 16 <= f; i += 16) {
-          const __m512 g = load16(in + r * 2 * f + i);
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-          const __m512 silu = round_as(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), in);
-          store16(o + r * f + i, _mm512_mul_ps(silu, load16(in + r * 2 * f + f + i)));
-        }
-#elif defined(PAGEDSERVE_AVX2)
-        for (; i + 8 <= f; i += 8) {
-          const __m256 g = load8(in + r * 2 * f + i);
-          // exp256 takes x <= 88; beyond, exp(-g) is inf, as exp512's is: silu(g) = -0
-          const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), g);
-          const __m256 big = _mm256_set1_ps(88.f);
-          const __m256 e = _mm256_blendv_ps(exp256(_mm256_min_ps(neg, big)),
-                                            _mm256_set1_ps(std::numeric_limits<float>::infinity()),
-                                            _mm256_cmp_ps(neg, big, _CMP_GT_OQ));
-          const __m256 silu = round_as8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), in);
-          store8(o + r * f + i, _mm256_mul_ps(silu, load8(in + r * 2 * f + f + i)));
-        }
-#endif
-        for (; i < f; ++i) {
-          // rounded where torch's F.silu(gate) * up rounds: after silu, after the product
-          const float g = to_float(in[r * 2 * f + i]);
-          const float silu = to_float(from_float<scalar_t>(g / (1.f + std::exp(-g))));
-          o[r * f + i] = from_float<scalar_t>(silu * to_float(in[r * 2 * f + f + i]));
-        }
-      }
+      for (int64_t r = begin; r < end; ++r)
+        silu_mul_row(in + r * 2 * f, in + r * 2 * f + f, o + r * f, f);
     });
   });
   return out;
@@ -2744,6 +2803,17 @@ struct PackedLinear {
                                    c10::nullopt, outlier_channels, outlier_weights);
     return bias ? y + *bias : y;  // as Linear.forward: the bias added in the compute dtype
   }
+
+  // A merged gate_up layer's silu(gate) * up in one pass (quant_linear_silu_mul), where that
+  // kernel computes what silu_and_mul(*this(x)) would: codes, quantized activations, no bias.
+  bool gates(const torch::Tensor& x) const {
+    return !(dense_above_max_rows && x.size(0) > packed_max_rows) && activation_bits != 32 &&
+           !bias && out_features % 32 == 0;
+  }
+  torch::Tensor silu_mul(const torch::Tensor& x) const {
+    return quant_linear_silu_mul(x, codes, scales, mins, out_features, bits, activation_bits,
+                                 outlier_channels, outlier_weights);
+  }
 };
 
 struct DecoderLayerWeights {
@@ -2842,7 +2912,11 @@ class DecoderStack {
       x = lora.add(layer.o(attn_rows), attn_rows, i, 1);
       normed = add_rms_norm(x, residual, layer.post_attention_norm, eps_);
       residual = normed[1];
-      torch::Tensor activated = silu_and_mul(lora.add(layer.gate_up(normed[0]), normed[0], i, 2));
+      // LoRA's delta joins the gate_up product before the activation: two steps then
+      torch::Tensor activated =
+          !lora.active() && layer.gate_up.gates(normed[0])
+              ? layer.gate_up.silu_mul(normed[0])
+              : silu_and_mul(lora.add(layer.gate_up(normed[0]), normed[0], i, 2));
       x = lora.add(layer.down(activated), activated, i, 3);
     }
     return add_rms_norm(x, residual, final_norm_, eps_)[0];
@@ -2961,6 +3035,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bits"), py::arg("activation_bits"), py::arg("bias") = py::none(),
         py::arg("outlier_channels") = py::none(), py::arg("outlier_weights") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear_silu_mul", &quant_linear_silu_mul,
+        "silu(gate) * up of a merged gate_up layer on GGUF-form weights, in one pass: bitwise "
+        "silu_and_mul(quant_linear(...)) (quantized activations, no bias, N / 2 a multiple of 16)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("n"),
+        py::arg("bits"), py::arg("activation_bits"), py::arg("outlier_channels") = py::none(),
+        py::arg("outlier_weights") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("peak_kinds", &peak_kinds,
         "the instruction kinds peak_seconds runs in this build, and multiply-adds per instruction");
   m.def("peak_seconds", &peak_seconds,

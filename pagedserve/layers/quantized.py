@@ -399,6 +399,20 @@ class GroupQuantizedWeight(torch.nn.Module):
                                               self.out_features, self.in_features, self.bits,
                                               self.dtype)
 
+    def silu_and_mul_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, K) -> (T, N / 2): silu(gate) * up of this merged gate_up weight's product (gate
+        rows first), bitwise layers/activation.py silu_and_mul(self(x)), in one pass that never
+        stores the (T, N) product (csrc: quant_linear_silu_mul). Quantized activations and
+        N / 2 a multiple of 16 only (`gates_silu_and_mul`)."""
+        return self._ops.quant_linear_silu_mul(x, self.codes, self.scales, self.mins,
+                                               self.out_features, self.bits, self.activation_bits,
+                                               self.outlier_channels, self.outlier_weights)
+
+    @property
+    def gates_silu_and_mul(self) -> bool:
+        """Whether silu_and_mul_product serves this weight."""
+        return self.activation_bits != 32 and self.out_features % 32 == 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) in fp32 or bf16 -> (..., N) in x's dtype."""
         leading = x.shape[:-1]

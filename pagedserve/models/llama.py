@@ -138,7 +138,10 @@ class LlamaMLP(nn.Module):
                                            bias=config.mlp_bias, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        activated = self.gate_up_proj.silu_and_mul(x) if self.kernels is not None else None
+        if activated is None:
+            activated = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(activated)
 
     def act_fn(self, gate_up: torch.Tensor) -> torch.Tensor:
         gpu = self.gpu_kernels

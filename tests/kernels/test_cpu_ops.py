@@ -257,6 +257,33 @@ def test_silu_and_mul_equals_torch():
                                rtol=2e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("activation_bits", [16, 8])
+@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_product_equals_the_two_steps(qtype, activation_bits, dtype):
+    """quant_linear_silu_mul = silu_and_mul(quant_linear(...)) bit for bit: the gate and up
+    values rounded as the product stores them, then the activation kernel's arithmetic. Row
+    counts across the row tiles (8) and chunks (128), outlier channels in one gate and one up
+    column block, and gates past exp's range."""
+    f, k = 48, 256  # 3 column blocks per half
+    weight = decode_gguf_blocks(synthetic_blocks(qtype, 2 * f, k, seed=7), qtype, (2 * f, k))
+    layer = GroupQuantizedWeight(weight, ops, dtype, activation_bits)
+    assert layer.gates_silu_and_mul
+    for outliers in (None, torch.tensor([5, 130])):
+        layer.set_outlier_channels(outliers)
+        for rows in (1, 9, 130):
+            x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3)
+            x[0, :4] = torch.tensor([400.0, -400.0, 0.0, 1e-3])
+            x = x.to(dtype)
+            two_steps = silu_and_mul(layer(x), ops)
+            assert torch.equal(layer.silu_and_mul_product(x), two_steps), (outliers, rows)
+    with pytest.raises(RuntimeError, match="n / 2 a multiple of 16"):
+        narrow = GroupQuantizedWeight(
+            decode_gguf_blocks(synthetic_blocks(qtype, 40, k, seed=1), qtype, (40, k)), ops,
+            dtype, activation_bits)
+        narrow.silu_and_mul_product(torch.randn(2, k).to(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_rows_equals_torch_argmax(dtype):
     """The same index as torch.argmax(dim=-1) in every case that has a rule: ties (the first),

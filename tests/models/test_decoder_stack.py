@@ -141,3 +141,32 @@ def test_stack_equals_modules_on_qwen(monkeypatch, stack_calls):
     _modules_only(llm, monkeypatch)
     assert _generate(llm, prompts) == fused
     llm.engine.assert_idle()
+
+
+def test_gated_product_equals_the_two_steps_on_the_model(make_llm, monkeypatch, stack_calls):
+    """The MLP's silu(gate) * up in one pass on the codes (quant_linear_silu_mul) in the stack
+    and in the modules, against the two steps (gate_up product, then silu_and_mul): the same
+    greedy tokens and logprobs, exactly."""
+    from pagedserve.layers.quantized import GroupQuantizedWeight
+
+    llm = make_llm(dtype=COMPUTE_DTYPE, enable_prefix_caching=False)
+    gated_calls = []
+    one_pass = GroupQuantizedWeight.silu_and_mul_product
+
+    def counted(layer, x):
+        gated_calls.append(x.shape[0])
+        return one_pass(layer, x)
+
+    monkeypatch.setattr(GroupQuantizedWeight, "silu_and_mul_product", counted)
+    prompts = PARITY_PROMPTS[:3]
+    in_stack = _generate(llm, prompts)
+    assert stack_calls  # the stack's decodes, gated inside it
+    _modules_only(llm, monkeypatch)
+    gated_calls.clear()
+    in_modules = _generate(llm, prompts)
+    assert gated_calls and max(gated_calls) > 1  # prefill and decode rows, one pass each
+    monkeypatch.setattr(linear_layers.MergedLinear, "silu_and_mul", lambda self, x: None)
+    gated_calls.clear()
+    two_steps = _generate(llm, prompts)
+    assert not gated_calls
+    assert in_stack == in_modules == two_steps
