@@ -314,19 +314,23 @@ def test_argmax_rows_equals_torch_argmax(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_matches_forward(dtype):
     """Same math as RotaryEmbedding.forward; the kernel computes in fp32 and rounds once, the
-    torch ops round after each product in bf16: equal in fp32, within bf16 rounding in bf16."""
+    torch ops round after each product and the sum in bf16: equal in fp32, within those
+    roundings in bf16 (each at most 2^-9 of a value up to sqrt(2) max|x|: bound 2^-6 max|x|;
+    over 300 seeds the largest error was 2^-6.9 max|x|)."""
     heads, kv_heads, head_dim = 9, 3, 64
     rotary = RotaryEmbedding(head_dim, 2048, 10000.0, dtype, ops)
     positions = torch.tensor([0, 5, 1999, 17])
-    qkv = torch.randn(4, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * head_dim,
+                      generator=torch.Generator().manual_seed(0)).to(dtype)
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(4, heads + kv_heads, head_dim)
+    largest = qk.float().abs().max().item()
     expected = rotary(positions, qk).float()
     assert rotary.rotate_in_place(positions, qkv, heads + kv_heads)
     actual = qkv[:, : (heads + kv_heads) * head_dim].view(4, heads + kv_heads, head_dim).float()
     if dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
     else:
-        torch.testing.assert_close(actual, expected, rtol=0, atol=3e-2)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=2**-6 * largest)
 
 
 def test_write_kv_equals_index_copy():
