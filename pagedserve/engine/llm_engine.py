@@ -20,25 +20,25 @@ from typing import Any
 
 import torch
 
-from pagedserve.attention.kv_cache import KVCacheSpec
-from pagedserve.config import EngineConfig, async_scheduling_conflicts
-from pagedserve.core.kv_cache_groups import KVCacheLayout
+from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import CudaGraphCounters, SchedulerStats
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.startup import (
+    calibrate_outlier_channels,
+    check_engine_config,
+    create_kv_connector,
+    describe_kv_cache_groups,
+)
 from pagedserve.engine.warmup import warm_up
 from pagedserve.executor import Executor
-from pagedserve.kv_transfer.cost_model import PrefillProfile, PrefillTiming
-from pagedserve.kv_transfer.tiered import TieredConnectorScheduler, TieredOptions, parse_tiers
-from pagedserve.layers.outliers import CALIBRATION_TOKENS, OUTLIER_CHANNELS, calibration_text
 from pagedserve.lora.peft import AdapterError, PeftAdapter
 from pagedserve.lora.registry import Adapter, LoRARegistry
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.loader import load_model_config, resolve_model_path
 from pagedserve.observability import memory
-from pagedserve.observability.startup import startup_phase
 from pagedserve.observability.events import (
     AdmissionWaited,
     EventBus,
@@ -46,12 +46,12 @@ from pagedserve.observability.events import (
     RequestQueued,
     StepFinished,
 )
+from pagedserve.observability.startup import startup_phase
 from pagedserve.outputs import OutputKind, PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.manager import StructuredOutputManager
-from pagedserve.spec_decode.draft_model import check_same_tokenizer
 from pagedserve.tokenizer import Tokenizer
 from pagedserve.worker.profiler import step_range
 
@@ -107,40 +107,24 @@ class LLMEngine:
                 phase.detail = f"{tokenizer.vocab_size} tokens"
             self._tokenizer_bytes = max(0, (memory.rss_bytes() or 0) - (self._rss_at_start or 0))
         self.tokenizer = tokenizer
-        draft_path = config.speculative.draft_model_path if config.speculative else None
-        if draft_path is not None:  # before loading its weights: a mismatch fails fast
-            check_same_tokenizer(self.tokenizer, Tokenizer.from_path(draft_path), draft_path)
-        config.parallel.verify_with_model(config.model)
-        if config.speculative is not None and config.parallel.world_size > 1:
-            raise ValueError("speculative decoding does not run with tensor or pipeline "
-                             "parallelism yet")
-        if config.kv_transfer is not None:
-            if config.parallel.world_size > 1:
-                raise ValueError("KV tiers (kv_transfer_config) do not run with tensor or "
-                                 "pipeline parallelism yet")
-        if config.scheduler.async_scheduling:
-            conflicts = async_scheduling_conflicts(config.speculative, config.parallel,
-                                                   config.kv_transfer)
-            if conflicts:
-                raise ValueError(f"async scheduling does not run with {' or '.join(conflicts)} "
-                                 "yet")
-        # Parsed before the weights load, so a bad config fails fast.
-        tier_options = (parse_tiers(config.kv_transfer, config.device.device)
-                        if config.kv_transfer is not None else None)
+        # before the weights load: a bad config fails fast
+        tier_options = check_engine_config(config, self.tokenizer)
         self.executor = Executor.create(config, model=model)
         with startup_phase("KV pool") as phase:
             num_blocks = self.executor.determine_num_kv_blocks()
             self.executor.initialize_kv_cache(num_blocks)
             phase.detail = (f"{num_blocks} blocks of {config.cache.block_size} tokens = "
                             f"{num_blocks * config.cache.block_size} tokens"
-                            + _describe_kv_cache_groups(
+                            + describe_kv_cache_groups(
                                 config.model.kv_cache_layout(config.cache.hybrid_kv_cache)))
         with startup_phase("outliers") as phase:
-            phase.detail = self._calibrate_outlier_channels(num_blocks)
+            phase.detail = calibrate_outlier_channels(self.executor, self.tokenizer, config,
+                                                      num_blocks)
         self.events = EventBus()
         """Request, step and block events (observability/events.py); subscribe to observe."""
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks=num_blocks,
-                                   connector=self._create_kv_connector(tier_options, num_blocks),
+                                   connector=create_kv_connector(self.executor, config,
+                                                                 tier_options, num_blocks),
                                    max_loras=config.lora.max_loras if config.lora else None,
                                    events=self.events,
                                    kv_cache_group_windows=config.model.kv_cache_layout(
@@ -183,59 +167,6 @@ class LLMEngine:
         self._sleep_level = 0
         self._profiling = False
         """Between start_profile and stop_profile: steps carry named ranges in the trace."""
-
-    def _calibrate_outlier_channels(self, num_blocks: int) -> str:
-        """Have the workers choose their int8 layers' outlier channels from the calibration text
-        (layers/outliers.py); what was done, for the start-up log."""
-        config = self.config
-        limit = min(CALIBRATION_TOKENS, config.scheduler.max_model_len,
-                    (num_blocks - 1) * config.cache.block_size)
-        vocab_size = config.model.vocab_size  # (a test's tiny model may have fewer tokens)
-        token_ids = [t for t in self.tokenizer.encode(calibration_text()) if t < vocab_size]
-        token_ids = token_ids[:limit]
-        if not token_ids:
-            return "none (no room in the KV pool for the calibration text)"
-        layers = self.executor.calibrate_outlier_channels(token_ids)
-        if not layers:
-            if config.parallel.pipeline_parallel_size > 1:
-                return ("none (pipeline stages cannot run the calibration pass alone: int8 "
-                        "layers run without outlier channels)")
-            return "none (no layer quantizes its activations to int8 here)"
-        return (f"{OUTLIER_CHANNELS} int8 input channels multiplied exactly in each of {layers} "
-                f"layers, chosen on {len(token_ids)} calibration tokens")
-
-    def _create_kv_connector(self, options: TieredOptions | None,
-                             num_blocks: int) -> TieredConnectorScheduler | None:
-        """The KV tiers' scheduler half, its cost model calibrated on this engine's own prefill
-        (None: no tiers configured)."""
-        config = self.config
-        if options is None:
-            return None
-        prefill = None
-        if options.load_policy == "cost":
-            prefill = PrefillProfile.fit(self._time_prefills(num_blocks))
-            logger.info("KV tier cost model: recomputing costs %.1f us/token + %.4f us/token per "
-                        "context token", prefill.seconds_per_token * 1e6,
-                        prefill.seconds_per_token_per_context * 1e6)
-        model = config.model
-        spec = KVCacheSpec.create(  # one rank holds the whole model (tiers need world size 1)
-            config.cache.cache_dtype, getattr(torch, config.device.dtype),
-            model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
-            config.cache.block_size)
-        return TieredConnectorScheduler(config, options, prefill, spec.bytes_per_block)
-
-    def _time_prefills(self, num_blocks: int) -> list[PrefillTiming]:
-        """Time a prefill chunk at context 0 and after a long context (as long as the pool and
-        the context length allow), each the best of two after a warm-up."""
-        block_size = self.config.cache.block_size
-        num_tokens = min(128, self.config.scheduler.max_num_batched_tokens)
-        max_context = min((num_blocks - 2) * block_size - num_tokens,
-                          self.config.scheduler.max_model_len - num_tokens - 1, 1024)
-        contexts = [0] + ([max_context] if max_context >= num_tokens else [])
-        self.executor.time_prefill(num_tokens, 0)  # warm-up
-        return [PrefillTiming(num_tokens, context, min(
-                    self.executor.time_prefill(num_tokens, context) for _ in range(2)))
-                for context in contexts]
 
     def warm_up(self) -> None:
         """Pay the first steps' one-time costs now (engine/warmup.py), not in the first request;
@@ -882,16 +813,3 @@ class LLMEngine:
         problems += self.executor.check_idle()
         if problems:
             raise RuntimeError("engine not idle: " + "; ".join(problems))
-
-
-def _describe_kv_cache_groups(layout: KVCacheLayout) -> str:
-    """For the start-up log: how the pool's blocks are shared ("" for one global group)."""
-    if layout.windows == (None,):
-        return ""
-    if layout.num_groups == 1:
-        return f" (every layer's window is {layout.windows[0]}: blocks it passed are freed)"
-    num_global = sum(window is None for window in layout.windows)
-    windows = sorted({window for window in layout.windows if window is not None})
-    return (f" of {layout.layers_per_block} layers each, in {layout.num_groups} KV cache groups "
-            f"({num_global} global, {layout.num_groups - num_global} with a window of "
-            f"{'/'.join(map(str, windows))} that frees the blocks it passed)")
