@@ -1,5 +1,9 @@
 """The engine: admission (validate, tokenize, fan out n), and the step loop.
 
+Beside it: input_processing.py checks and tokenizes a request's input, admission.py holds
+requests back while their grammar compiles or their LoRA adapter loads, startup.py does the
+one-time work around the executor at start-up.
+
 step() = schedule -> execute -> update -> detokenize. One request with n > 1 becomes n scheduler
 requests that share the prompt's KV blocks through the prefix cache. With pipeline stages or async
 scheduling, steps overlap: step N + 1 is scheduled and launched before step N's results are
@@ -15,8 +19,6 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,7 +26,13 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import CudaGraphCounters, SchedulerStats
+from pagedserve.engine.admission import AdmissionGate, HeldRequest
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.input_processing import (
+    PromptType,
+    checked_sampling_params,
+    tokenize_prompt,
+)
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.startup import (
     calibrate_outlier_channels,
@@ -60,12 +68,6 @@ logger = logging.getLogger(__name__)
 EngineOutput = RequestOutput | PoolingRequestOutput
 """What step() returns per request: generation's outputs, or a pooling request's one output."""
 
-PromptType = str | Sequence[int] | dict[str, Any]
-"""A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
-
-_GRAMMAR_POLL_SECONDS = 0.005
-"""With nothing to run but requests whose grammar compiles, how long a step waits for one."""
-
 
 class EngineSleepingError(RuntimeError):
     """The engine is asleep (sleep mode): no request runs until wake_up."""
@@ -73,20 +75,6 @@ class EngineSleepingError(RuntimeError):
 
 class EngineBusyError(ValueError):
     """sleep and update_weights need an idle engine: no request in flight."""
-
-
-@dataclass
-class _Awaiting:
-    """A request's sequences, held back from the scheduler until their grammar is compiled and
-    their LoRA adapter is loaded."""
-
-    requests: list[Request]
-    grammar: concurrent.futures.Future | None
-    deadline: float
-    """When the grammar's compile budget runs out (an adapter load has no deadline)."""
-    adapter: Adapter | None = None
-    since: float = 0.0
-    """When it started waiting."""
 
 
 class LLMEngine:
@@ -152,9 +140,8 @@ class LLMEngine:
             self.tokenizer, config.model.vocab_size, config.model.eos_token_ids,
             config.structured_output,
         )
-        self._awaiting: dict[str, _Awaiting] = {}
-        """Request id -> its sequences whose grammar is still compiling or whose adapter is
-        still loading."""
+        self._admission = AdmissionGate(self.structured_output_manager, self.lora_registry)
+        """Requests held back while their grammar compiles or their adapter loads."""
         self.cuda_graph_counters: CudaGraphCounters | None = None
         """Steps replayed from CUDA graphs and steps run eagerly, as the runner's outputs say
         (None until a step runs with graphs captured)."""
@@ -184,31 +171,6 @@ class LLMEngine:
 
     # ---- admission --------------------------------------------------------------------------
 
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Validate and tokenize a prompt; ValueError names what is wrong."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab_size = self.config.model.vocab_size
-        for token_id in token_ids:
-            if not isinstance(token_id, int) or isinstance(token_id, bool):
-                raise ValueError(f"prompt token ids must be integers, got {token_id!r}")
-            if not 0 <= token_id < vocab_size:
-                raise ValueError(f"prompt token id {token_id} is outside the vocabulary [0, {vocab_size})")
-        return text, token_ids
-
     def add_request(
         self,
         request_id: str | None,
@@ -228,11 +190,13 @@ class LLMEngine:
         lora_request: run with this LoRA adapter (registered and loaded on first use)."""
         if self.sleep_level:
             raise EngineSleepingError("the engine is sleeping: wake it up first")
-        text, prompt_token_ids = self.process_prompt(prompt)
+        vocab_size = self.config.model.vocab_size
+        text, prompt_token_ids = tokenize_prompt(prompt, self.tokenizer, vocab_size)
         if isinstance(params, PoolingParams):
             params.validate_for_hidden_size(self.config.model.hidden_size)
         else:
-            params = self._sampling_params_for(params, len(prompt_token_ids))
+            params = checked_sampling_params(params, len(prompt_token_ids), self.tokenizer,
+                                             vocab_size, self.config.scheduler.max_model_len)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id is None:
@@ -293,35 +257,12 @@ class LLMEngine:
         if adapter is not None:
             self.lora_registry.acquire(adapter)
             self._request_adapters[request_id] = adapter.lora_int_id
-        if (grammar is not None and not grammar.done()) or (
-                adapter is not None and not adapter.loaded):
-            deadline = time.monotonic() + self.structured_output_manager.config.compile_timeout_s
-            self._awaiting[request_id] = _Awaiting(requests, grammar, deadline, adapter,
-                                                   time.monotonic())
-            if adapter is not None:
-                self.lora_registry.start_load(adapter)
+        if self._admission.must_hold(grammar, adapter):
+            self._admission.hold(request_id, requests, grammar, adapter)
         else:
             self._schedule_requests(requests, grammar)
         self.events.publish()
         return request_id
-
-    def _sampling_params_for(self, params: SamplingParams | None,
-                             num_prompt_tokens: int) -> SamplingParams:
-        """A checked copy of a generation request's params, max_tokens filled in."""
-        params = (params or SamplingParams()).clone()
-        if params.bad_words:
-            params.tokenize_bad_words(
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        params.validate_for_vocab(self.config.model.vocab_size)
-        max_model_len = self.config.scheduler.max_model_len
-        if num_prompt_tokens >= max_model_len:
-            raise ValueError(
-                f"prompt has {num_prompt_tokens} tokens; the context length is "
-                f"{max_model_len} (prompt plus at least one new token must fit)"
-            )
-        if params.max_tokens is None:
-            params.max_tokens = max_model_len - num_prompt_tokens
-        return params
 
     def _adapter_for(self, lora_request: LoRARequest | None) -> Adapter | None:
         if lora_request is None:
@@ -337,69 +278,33 @@ class LLMEngine:
             self.scheduler.add_request(request)
 
     def _admit_ready(self) -> list[EngineOutput]:
-        """Hand requests whose grammar is compiled and whose adapter is loaded to the scheduler;
-        fail those whose grammar did not compile or ran past its budget, or whose adapter did not
-        load. Returns the failed requests' final outputs."""
-        if not self._awaiting:
-            return []
-        if not self.scheduler.has_unfinished_requests():
-            # Nothing else to run: wait a moment for a compile or a load rather than spin.
-            pending = [a.grammar for a in self._awaiting.values() if a.grammar is not None]
-            if self.lora_registry is not None:
-                pending += self.lora_registry.pending_loads()
-            concurrent.futures.wait(pending, timeout=_GRAMMAR_POLL_SECONDS,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        if self.lora_registry is not None:
-            self.lora_registry.poll()
+        """Hand held requests whose grammar is compiled and whose adapter is loaded to the
+        scheduler; fail those whose grammar did not compile or ran past its budget, or whose
+        adapter did not load. Returns the failed requests' final outputs."""
         failed = []
-        now = time.monotonic()
-        for request_id, awaiting in list(self._awaiting.items()):
-            error = self._awaiting_error(awaiting, now)
-            if error is not None:
-                del self._awaiting[request_id]
-                self._emit_unscheduled_finished(awaiting, "error")
-                output = self.output_processor.fail_request(request_id, error)
+        idle = not self.scheduler.has_unfinished_requests()
+        for request_id, held in self._admission.poll(idle).items():
+            if held.error is not None:
+                self._emit_unscheduled_finished(held, "error")
+                output = self.output_processor.fail_request(request_id, held.error)
                 if output is not None:
                     failed.append(output)
                 continue
-            grammar_ready = awaiting.grammar is None or awaiting.grammar.done()
-            adapter = awaiting.adapter
-            if adapter is not None and not adapter.loaded:
-                self.lora_registry.start_load(adapter)  # waits for room, or loads already
-            elif grammar_ready:
-                del self._awaiting[request_id]
-                if self.events.enabled:
-                    for request in awaiting.requests:
-                        self.events.emit(AdmissionWaited(
-                            request.request_id, awaiting.since, now,
-                            awaiting.grammar is not None, awaiting.adapter is not None))
-                self._schedule_requests(awaiting.requests, awaiting.grammar)
+            if self.events.enabled:
+                for request in held.requests:
+                    self.events.emit(AdmissionWaited(
+                        request.request_id, held.since, held.until,
+                        held.grammar is not None, held.adapter is not None))
+            self._schedule_requests(held.requests, held.grammar)
         return self._release_adapters(failed)
 
-    def _emit_unscheduled_finished(self, awaiting: _Awaiting, reason: str) -> None:
+    def _emit_unscheduled_finished(self, held: HeldRequest, reason: str) -> None:
         """Requests that end while held back never reach the scheduler, which emits the
         others' RequestFinished."""
         if self.events.enabled:
             now = time.monotonic()
-            for request in awaiting.requests:
+            for request in held.requests:
                 self.events.emit(RequestFinished(request.request_id, now, reason, 0))
-
-    def _awaiting_error(self, awaiting: _Awaiting, now: float) -> str | None:
-        """Why a held-back request fails, or None while it may still run."""
-        grammar = awaiting.grammar
-        if grammar is not None:
-            if grammar.done() and grammar.exception() is not None:
-                self.structured_output_manager.compile_failed()
-                return str(grammar.exception())
-            if not grammar.done() and now >= awaiting.deadline:
-                self.structured_output_manager.compile_failed()
-                budget = self.structured_output_manager.config.compile_timeout_s
-                return (f"the structured output grammar did not compile within the {budget:g} s "
-                        f"budget")
-        adapter = awaiting.adapter
-        if adapter is not None and adapter.load_error is not None and not adapter.loaded:
-            return f"LoRA adapter {adapter.name!r} failed to load: {adapter.load_error}"
-        return None
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[EngineOutput]:
         """Abort requests (unknown or finished ids are ignored); returns their final outputs,
@@ -408,9 +313,9 @@ class LLMEngine:
             request_ids = [request_ids]
         final_outputs = []
         for request_id in request_ids:
-            awaiting = self._awaiting.pop(request_id, None)
-            if awaiting is not None:
-                self._emit_unscheduled_finished(awaiting, "abort")
+            held = self._admission.release(request_id)
+            if held is not None:
+                self._emit_unscheduled_finished(held, "abort")
             seq_ids = self.output_processor.sequence_ids(request_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             output = self.output_processor.abort_request(request_id)
@@ -555,18 +460,17 @@ class LLMEngine:
                 self.scheduler.update_from_output(empty, self.executor.execute_model(empty))
 
     def has_unfinished_requests(self) -> bool:
-        return (bool(self._awaiting) or bool(self._batch_queue)
+        return (bool(self._admission) or bool(self._batch_queue)
                 or self.scheduler.has_unfinished_requests())
 
     @property
     def num_awaiting_grammar(self) -> int:
         """Requests held back while their grammar compiles."""
-        return sum(1 for a in self._awaiting.values()
-                   if a.grammar is not None and not a.grammar.done())
+        return self._admission.num_compiling
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
-        stats.num_waiting_reqs += len(self._awaiting)
+        stats.num_waiting_reqs += len(self._admission)
         stats.structured_output = self.structured_output_manager.stats()
         stats.cuda_graphs = self.cuda_graph_counters
         return stats
@@ -799,8 +703,8 @@ class LLMEngine:
         problems = []
         if self.scheduler.has_unfinished_requests():
             problems.append(f"{len(self.scheduler.requests)} requests still queued")
-        if self._awaiting:
-            problems.append(f"{len(self._awaiting)} requests still await their grammar or "
+        if self._admission:
+            problems.append(f"{len(self._admission)} requests still await their grammar or "
                             f"adapter")
         if self.lora_registry is not None:
             problems += self.lora_registry.check_idle()
