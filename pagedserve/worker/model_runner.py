@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.attention import forward_context
-from pagedserve.attention.layer import Attention
 from pagedserve.attention.kv_cache import KVCache, KVCacheSpec
+from pagedserve.attention.layer import Attention
 from pagedserve.attention.metadata import build_grouped_attention_metadata
 from pagedserve.config import (
     CacheConfig,
@@ -26,11 +26,9 @@ from pagedserve.config import (
     SpeculativeConfig,
 )
 from pagedserve.core.outputs import (
-    GrammarOutput,
     ModelRunnerOutput,
     RunnerTimings,
     SchedulerOutput,
-    TokenLogprobs,
 )
 from pagedserve.distributed import get_pp_group, get_tp_group
 from pagedserve.kernels import cpu_ops
@@ -38,16 +36,24 @@ from pagedserve.kv_transfer.base import KVConnectorWorker
 from pagedserve.layers.outliers import calibrate_outlier_channels
 from pagedserve.lora.worker_manager import WorkerLoRAManager
 from pagedserve.observability.memory import model_bytes, resident_bytes, tensors_bytes
-from pagedserve.sample.bitmask import apply_token_bitmask_
 from pagedserve.sample.rejection_sampler import RejectionSampler
-from pagedserve.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
-from pagedserve.sampling_params import SamplingParams, SamplingType
+from pagedserve.sample.sampler import Sampler, SamplingMetadata
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode import TargetInfo, create_proposer
 from pagedserve.spec_decode.draft_model import DraftModelProposer
-from pagedserve.worker.async_output import AsyncModelRunnerOutput, AsyncSampling, record_sampled
+from pagedserve.worker.async_output import (
+    AsyncModelRunnerOutput,
+    AsyncSampling,
+    record_sampled,
+)
 from pagedserve.worker.cuda_graph import CudaGraphRunner, usable_graph_sizes
-from pagedserve.worker.pooler import PoolingState, pool_chunk
+from pagedserve.worker.pooler import PoolingState
 from pagedserve.worker.step_inputs import StepInputs
+from pagedserve.worker.step_outputs import (
+    apply_grammar_bitmask,
+    record_prompt_outputs,
+    verify_drafts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -381,8 +387,8 @@ class ModelRunner:
             return None
 
         output = ModelRunnerOutput(cuda_graph_size=graph_size, eager_reason=eager_reason)
-        self._compute_prompt_logprobs(states, num_scheduled, query_start_loc, hidden_states, output)
-        self._pool(states, num_scheduled, query_start_loc, hidden_states, output)
+        record_prompt_outputs(self.model, states, num_scheduled, query_start_loc, hidden_states,
+                              output)
 
         # Rows that sample: generation requests whose every known token now has KV (mid-prompt
         # chunks don't).
@@ -411,14 +417,15 @@ class ModelRunner:
             )
             logits_s = time.perf_counter() - head_start
             if grammar_output is not None:
-                self._apply_grammar_bitmask(
+                apply_grammar_bitmask(
                     logits, [states[i] for i in plain_rows + spec_rows], spec_tokens,
                     grammar_output,
                 )
             if plain_rows:
                 self._sample(logits[: len(plain_rows)], [states[i] for i in plain_rows], output)
             if spec_rows:
-                num_rejected = self._verify_drafts(
+                num_rejected = verify_drafts(
+                    self.rejection_sampler, self.model_config, self.device,
                     logits[len(plain_rows) :],
                     [states[i] for i in spec_rows],
                     [spec_tokens[states[i].req_id] for i in spec_rows],
@@ -542,101 +549,6 @@ class ModelRunner:
         self._pending_sends = self.pp_group.send(tensors, self.pp_group.next_rank)
         self._sent_tensors = tensors  # alive until the send completes
 
-    def _apply_grammar_bitmask(
-        self,
-        logits: torch.Tensor,
-        states: list[CachedRequestState],
-        spec_tokens: dict[str, list[int]],
-        grammar_output: GrammarOutput,
-    ) -> None:
-        """Mask the constrained requests' logits rows, in place. `states` are in logits order;
-        each has 1 + len(drafts) rows, as in grammar_output's bitmask."""
-        logits_rows, mask_rows = [], []
-        row = 0
-        for state in states:
-            num_rows = 1 + len(spec_tokens.get(state.req_id, ()))
-            first_mask_row = grammar_output.first_row.get(state.req_id)
-            if first_mask_row is not None:
-                logits_rows.extend(range(row, row + num_rows))
-                mask_rows.extend(range(first_mask_row, first_mask_row + num_rows))
-            row += num_rows
-        if logits_rows:
-            bitmask = torch.from_numpy(grammar_output.bitmask[mask_rows])
-            apply_token_bitmask_(logits, logits_rows, bitmask)
-
-    def _verify_drafts(
-        self,
-        logits: torch.Tensor,
-        states: list[CachedRequestState],
-        drafts_list: list[list[int]],
-        output: ModelRunnerOutput,
-    ) -> dict[str, int]:
-        """Rejection-sample each request's drafts from logits (sum(k + 1), V); append the emitted
-        tokens to its state. Returns req_id -> number of rejected drafts."""
-        # One sampling row per position. Row j of a request sees drafts[:j] as output tokens:
-        # it is only used if they were all accepted, so penalties and min_tokens count them.
-        params_list, output_ids, prompt_ids = [], [], []
-        for state, drafts in zip(states, drafts_list):
-            prompt = state.token_ids[: state.num_prompt_tokens]
-            for j in range(len(drafts) + 1):
-                params_list.append(state.sampling_params)
-                output_ids.append(state.output_token_ids + drafts[:j])
-                prompt_ids.append(prompt)
-        metadata = SamplingMetadata.build(
-            params_list, output_ids, prompt_ids, {}, self.model_config.eos_token_ids,
-            self.model_config.vocab_size, self.device,
-        )
-        generators = {
-            i: s.generator for i, s in enumerate(states)
-            if s.generator is not None
-            and s.sampling_params.sampling_type == SamplingType.RANDOM_SEED
-        }
-        emitted = self.rejection_sampler(logits, metadata, drafts_list, generators)
-
-        logprobs_per_req = self._emitted_logprobs(logits, states, drafts_list, emitted)
-        num_rejected = {}
-        for state, drafts, token_ids in zip(states, drafts_list, emitted):
-            state.token_ids.extend(token_ids)
-            state.output_token_ids.extend(token_ids)
-            output.sampled_token_ids[state.req_id] = token_ids
-            num_rejected[state.req_id] = len(drafts) + 1 - len(token_ids)
-            if state.req_id in logprobs_per_req:
-                output.logprobs[state.req_id] = logprobs_per_req[state.req_id]
-        return num_rejected
-
-    def _emitted_logprobs(
-        self,
-        logits: torch.Tensor,
-        states: list[CachedRequestState],
-        drafts_list: list[list[int]],
-        emitted: list[list[int]],
-    ) -> dict[str, list[TokenLogprobs]]:
-        """Raw-logit logprobs of each emitted token at its own position (as `_sample` gives)."""
-        wanted = [s.sampling_params.logprobs for s in states
-                  if s.sampling_params.logprobs is not None]
-        if not wanted:
-            return {}
-        rows, token_ids, start = [], [], 0
-        for drafts, tokens in zip(drafts_list, emitted):
-            rows.extend(range(start, start + len(tokens)))
-            token_ids.extend(tokens)
-            start += len(drafts) + 1
-        raw_logprobs = logits[torch.tensor(rows, device=logits.device)].float().log_softmax(dim=-1)
-        values, ids, ranks = gather_logprobs(
-            raw_logprobs, torch.tensor(token_ids, device=logits.device), max(wanted)
-        )
-        values, ids, ranks = values.tolist(), ids.tolist(), ranks.tolist()
-        result, offset = {}, 0
-        for state, tokens in zip(states, emitted):
-            num_top = state.sampling_params.logprobs
-            if num_top is not None:
-                result[state.req_id] = [
-                    TokenLogprobs(ids[r][: 1 + num_top], values[r][: 1 + num_top], ranks[r])
-                    for r in range(offset, offset + len(tokens))
-                ]
-            offset += len(tokens)
-        return result
-
     def _sample(
         self, logits: torch.Tensor, states: list[CachedRequestState], output: ModelRunnerOutput
     ) -> None:
@@ -666,59 +578,3 @@ class ModelRunner:
             state.token_ids.append(token_id)
             state.output_token_ids.append(token_id)
         record_sampled(output, states, sampled, logprobs_rows, logprob_ids_rows, ranks)
-
-    def _pool(
-        self,
-        states: list[CachedRequestState],
-        num_scheduled: list[int],
-        query_start_loc: list[int],
-        hidden_states: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Pool the pooling requests' rows of this step; those whose prompt is now complete
-        get their vector in `output` (worker/pooler.py)."""
-        for i, (state, num_tokens) in enumerate(zip(states, num_scheduled)):
-            if state.pooling is None:
-                continue
-            start = query_start_loc[i]
-            vector = pool_chunk(
-                state.pooling, hidden_states[start : start + num_tokens],
-                state.num_computed_tokens,
-                state.num_computed_tokens + num_tokens >= len(state.token_ids))
-            if vector is not None:
-                output.pooled_outputs[state.req_id] = vector
-
-    def _compute_prompt_logprobs(
-        self,
-        states: list[CachedRequestState],
-        num_scheduled: list[int],
-        query_start_loc: list[int],
-        hidden_states: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Logprob of each prompt token given the ones before it, for the chunk computed now."""
-        for i, (state, num_tokens) in enumerate(zip(states, num_scheduled)):
-            if state.sampling_params is None:
-                continue  # a pooling request
-            num_top = state.sampling_params.prompt_logprobs
-            start = state.num_computed_tokens
-            # position p predicts prompt token p + 1; the last prompt position predicts output
-            end = min(start + num_tokens, state.num_prompt_tokens - 1)
-            if num_top is None or end <= start:
-                continue
-            offset = query_start_loc[i]
-            logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden_states[offset : offset + end - start]), dim=-1
-            )  # (N, V)
-            targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=logprobs.device)
-            target_logprobs = logprobs.gather(1, targets[:, None])  # (N, 1)
-            ranks = (logprobs > target_logprobs).sum(dim=-1) + 1
-            top_logprobs, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
-            chunk = []
-            for j, target in enumerate(targets.tolist()):
-                ids, values = [target], [target_logprobs[j, 0].item()]
-                if top_ids is not None:
-                    ids += top_ids[j].tolist()
-                    values += top_logprobs[j].tolist()
-                chunk.append(TokenLogprobs(ids, values, int(ranks[j])))
-            output.prompt_logprobs[state.req_id] = (start + 1, chunk)
