@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from dataclasses import dataclass, field
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
@@ -53,6 +54,38 @@ from pagedserve.observability.events import (
     RequestScheduled,
     TokensGenerated,
 )
+
+
+@dataclass
+class _StepPlan:
+    """What schedule() has handed out so far in one step."""
+
+    token_budget: int
+    max_num_reqs: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    """Request id -> its tokens this step."""
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    """Per running request scheduled, its new blocks' ids per KV cache group."""
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    """Requests the runner has not seen yet."""
+    preempted: list[Request] = field(default_factory=list)
+    step_loras: set[int] = field(default_factory=set)
+    """Adapters of the requests scheduled: at most max_loras."""
+
+    def has_room(self) -> bool:
+        return self.token_budget > 0 and len(self.num_scheduled) < self.max_num_reqs
+
+    def schedule(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+        if request.lora_int_id is not None:
+            self.step_loras.add(request.lora_int_id)
+
+    def unschedule(self, request: Request) -> None:
+        """Take back a preempted request's tokens (if it was scheduled earlier in the step)."""
+        if request.request_id in self.num_scheduled:
+            self.token_budget += self.num_scheduled.pop(request.request_id)
+            self.new_block_ids.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -149,31 +182,48 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.step_index += 1
-        token_budget = self.config.max_num_batched_tokens
         # With pipeline stages, a batch takes its share of the unfinished requests, so that the
         # next batch (scheduled while this one is in flight) has requests to run too.
         num_batches = self.config.max_num_batches_in_flight
         max_num_reqs = max(1, -(-(len(self.running) + len(self._waiting)) // num_batches))
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs = CachedRequestData()
-        new_block_ids: dict[str, tuple[list[int], ...]] = {}
-        """Per request scheduled, its new blocks' ids per KV cache group."""
-        preempted: list[Request] = []
-        step_loras: set[int] = set()  # adapters of the requests scheduled: <= max_loras
+        plan = _StepPlan(self.config.max_num_batched_tokens, max_num_reqs)
+        self._schedule_running(plan)  # 1. decodes and unfinished prompts, in order
+        if not plan.preempted:  # 2. waiting requests, by priority then arrival
+            self._schedule_waiting(plan)
+        for req_id in self._unknown_to_runner & plan.num_scheduled.keys():
+            # first scheduled since its KV tier load: new to the runner
+            plan.new_reqs.append(self._new_request_data(self.requests[req_id]))
+            self._unknown_to_runner.discard(req_id)
+        spec_decode_tokens = self._scheduled_drafts(plan.num_scheduled)
+        output = SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=self._cached_request_data(plan),
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+            scheduled_spec_decode_tokens=spec_decode_tokens,
+            step_index=self.step_index,
+        )
+        self._finished_req_ids = set()
+        self._advance(output, spec_decode_tokens)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(
+                self.requests, self._connector_block_ids, plan.num_scheduled)
+        return output
 
-        # 1. Running requests: decodes and unfinished prompts, in order.
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Give the running requests their tokens in order, preempting the lowest-priority
+        running request while the pool has no blocks for one."""
         req_index = 0
-        while (req_index < len(self.running) and token_budget > 0
-               and len(num_scheduled) < max_num_reqs):
+        while req_index < len(self.running) and plan.has_room():
             request = self.running[req_index]
-            if not self._lora_fits(request, step_loras):
+            if not self._lora_fits(request, plan.step_loras):
                 req_index += 1  # its adapter waits for a step with a free slot
                 continue
             if request.num_output_placeholders and not self._may_decode_placeholder(request):
                 req_index += 1  # async scheduling: it waits for its step in flight
                 continue
-            num_new_tokens = self._num_new_tokens(request, token_budget)
+            num_new_tokens = self._num_new_tokens(request, plan.token_budget)
             new_blocks = None
             while num_new_tokens > 0:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
@@ -194,11 +244,9 @@ class Scheduler:
                 self.running.pop(victim_index)
                 if victim_index < req_index:
                     req_index -= 1
-                if victim.request_id in num_scheduled:  # scheduled earlier in this step
-                    token_budget += num_scheduled.pop(victim.request_id)
-                    new_block_ids.pop(victim.request_id, None)
+                plan.unschedule(victim)  # if it was scheduled earlier in this step
                 self._preempt(victim)
-                preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is request:
                     break
             if new_blocks is None:
@@ -206,24 +254,22 @@ class Scheduler:
                     break
                 req_index += 1
                 continue
-            num_scheduled[request.request_id] = num_new_tokens
-            new_block_ids[request.request_id] = tuple(
+            plan.schedule(request, num_new_tokens)
+            plan.new_block_ids[request.request_id] = tuple(
                 [block.block_id for block in blocks] for blocks in new_blocks)
-            token_budget -= num_new_tokens
-            self._add_lora(request, step_loras)
             req_index += 1
 
-        # 2. Waiting requests, by priority then arrival; not while this step had to preempt.
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Start waiting requests, by priority then arrival, in what the step has left: from
+        their prefix-cache hit, or off the queues while a KV tier loads more of their prefix."""
         skipped: list[Request] = []  # passed over: their adapter finds no slot this step
         while (
             self._waiting
-            and not preempted
-            and token_budget > 0
+            and plan.has_room()
             and len(self.running) + len(self._loading) < self.config.max_num_seqs
-            and len(num_scheduled) < max_num_reqs
         ):
             request = self._waiting[0][3]
-            if not self._lora_fits(request, step_loras):
+            if not self._lora_fits(request, plan.step_loras):
                 skipped.append(heapq.heappop(self._waiting)[3])
                 continue
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -232,9 +278,9 @@ class Scheduler:
             num_new_tokens = request.num_tokens - num_hit_tokens
             if self.config.long_prefill_token_threshold:
                 num_new_tokens = min(num_new_tokens, self.config.long_prefill_token_threshold)
-            if num_new_tokens > token_budget and not self.config.enable_chunked_prefill:
+            if num_new_tokens > plan.token_budget and not self.config.enable_chunked_prefill:
                 break
-            num_new_tokens = min(num_new_tokens, token_budget)
+            num_new_tokens = min(num_new_tokens, plan.token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_new_tokens, computed_blocks
             )
@@ -250,39 +296,30 @@ class Scheduler:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = time.monotonic()
             self.running.append(request)
-            num_scheduled[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            self._add_lora(request, step_loras)
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    token_ids=list(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit_tokens,
-                    lora_int_id=request.lora_int_id,
-                    pooling_params=request.pooling_params,
-                )
-            )
+            plan.schedule(request, num_new_tokens)
+            plan.new_reqs.append(self._new_request_data(request))
         for request in skipped:
             self._push_waiting(request)
 
-        for req_id in self._unknown_to_runner & num_scheduled.keys():
-            request = self.requests[req_id]  # first scheduled since its load: new to the runner
-            new_reqs.append(NewRequestData(
-                req_id=req_id,
-                token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(req_id),
-                num_computed_tokens=request.num_computed_tokens,
-                lora_int_id=request.lora_int_id,
-                pooling_params=request.pooling_params,
-            ))
-            self._unknown_to_runner.discard(req_id)
-        new_req_ids = {data.req_id for data in new_reqs}
-        for req_id, block_ids in new_block_ids.items():
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        """What the runner needs of a request it has not seen, with its blocks so far."""
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+            lora_int_id=request.lora_int_id,
+            pooling_params=request.pooling_params,
+        )
+
+    def _cached_request_data(self, plan: _StepPlan) -> CachedRequestData:
+        """The diffs of the scheduled requests the runner already holds: new blocks and the
+        tokens it has not seen."""
+        cached_reqs = CachedRequestData()
+        new_req_ids = {data.req_id for data in plan.new_reqs}
+        for req_id, block_ids in plan.new_block_ids.items():
             if req_id in new_req_ids:
                 continue
             request = self.requests[req_id]
@@ -293,10 +330,12 @@ class Scheduler:
             #                                 ^ num_computed_tokens            ^ num_tokens
             first_new = max(request.num_computed_tokens, request.num_prompt_tokens)
             cached_reqs.new_token_ids.append(request.all_token_ids[first_new:request.num_tokens])
+        return cached_reqs
 
-        # Draft tokens are the tail of what is scheduled; the budget may have cut some off.
-        #  | computed | known tokens not computed | drafts scheduled | drafts cut off |
-        # (Output placeholders, with async scheduling, are known tokens here: never drafts.)
+    def _scheduled_drafts(self, num_scheduled: dict[str, int]) -> dict[str, list[int]]:
+        """Draft tokens are the tail of what is scheduled; the budget may have cut some off.
+            | computed | known tokens not computed | drafts scheduled | drafts cut off |
+        (Output placeholders, with async scheduling, are known tokens here: never drafts.)"""
         spec_decode_tokens: dict[str, list[int]] = {}
         for req_id, num_tokens in num_scheduled.items():
             request = self.requests[req_id]
@@ -304,20 +343,13 @@ class Scheduler:
                         - request.num_output_placeholders)
             if num_spec > 0:
                 spec_decode_tokens[req_id] = request.spec_token_ids[:num_spec]
+        return spec_decode_tokens
 
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_req_ids,
-            scheduled_spec_decode_tokens=spec_decode_tokens,
-            step_index=self.step_index,
-        )
-        self._finished_req_ids = set()
-        # Progress is advanced now, at scheduling: the next schedule() may run before this
-        # step's results are back (async scheduling), and must not hand out the same tokens.
-        for req_id, num_tokens in num_scheduled.items():
+    def _advance(self, output: SchedulerOutput, spec_decode_tokens: dict[str, list[int]]) -> None:
+        """Count the step's tokens as computed now, at scheduling: the next schedule() may run
+        before this step's results are back (async scheduling), and must not hand out the same
+        tokens."""
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             # Prefill computes known tokens (a prompt chunk, or recomputation after a
             # preemption); decode computes the last sampled token (and drafts).
@@ -336,10 +368,6 @@ class Scheduler:
             request.num_steps_in_flight += 1
             if self._samples_with_placeholder(request):
                 request.num_output_placeholders += 1
-        if self.connector is not None:
-            output.kv_connector_metadata = self.connector.build_connector_meta(
-                self.requests, self._connector_block_ids, num_scheduled)
-        return output
 
     def _connector_block_ids(self, req_id: str) -> list[int]:
         """A KV tier's view of a request's blocks: the one group's (tiers move whole blocks of
@@ -419,11 +447,6 @@ class Scheduler:
         lora_id = request.lora_int_id
         return (lora_id is None or lora_id in step_loras
                 or self.max_loras is not None and len(step_loras) < self.max_loras)
-
-    @staticmethod
-    def _add_lora(request: Request, step_loras: set[int]) -> None:
-        if request.lora_int_id is not None:
-            step_loras.add(request.lora_int_id)
 
     def _samples_with_placeholder(self, request: Request) -> bool:
         """Async scheduling, after `request` was scheduled: whether this step samples for it
