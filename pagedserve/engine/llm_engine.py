@@ -281,6 +281,8 @@ class LLMEngine:
         """Hand held requests whose grammar is compiled and whose adapter is loaded to the
         scheduler; fail those whose grammar did not compile or ran past its budget, or whose
         adapter did not load. Returns the failed requests' final outputs."""
+        if not self._admission:
+            return []
         failed = []
         idle = not self.scheduler.has_unfinished_requests()
         for request_id, held in self._admission.poll(idle).items():

@@ -133,7 +133,7 @@ class Linear(nn.Module):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or (self.weight is not None and x.shape[0] > TORCH_INT4_MAX_ROWS):
             y = F.linear(x, self.weight, bias)
-        elif self.dense_above_max_rows and x.shape[0] > PACKED_MAX_ROWS:
+        elif self._takes_dense_product(x):
             y = self.packed.dense_product(x, bias)
         else:
             y = self.packed(x)
@@ -141,6 +141,10 @@ class Linear(nn.Module):
         lora_step = get_lora_step()
         # A row-parallel layer's caller all-reduces after this: its partial delta is summed too.
         return y if lora_step is None else lora_step.add_delta(self, x, y)
+
+    def _takes_dense_product(self, x: torch.Tensor) -> bool:
+        """Whether x's rows go to the dense product on weights dequantized from the codes."""
+        return self.dense_above_max_rows and x.shape[0] > PACKED_MAX_ROWS
 
     def _shard_slices(self) -> dict:
         """shard id -> the rows of `weight` it fills."""
@@ -241,7 +245,7 @@ class MergedLinear(Linear):
                 or not isinstance(packed, GroupQuantizedWeight) or not packed.gates_silu_and_mul
                 or len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]
                 or self.bias is not None or x.dim() != 2 or not x.is_contiguous()
-                or (self.dense_above_max_rows and x.shape[0] > PACKED_MAX_ROWS)
+                or self._takes_dense_product(x)
                 or get_lora_step() is not None):
             return None
         return packed.silu_and_mul_product(x)
