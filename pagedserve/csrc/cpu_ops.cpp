@@ -761,54 +761,122 @@ inline void add_outliers(const OutlierChannels& outliers, const float* x, int ro
 }
 
 // ---------------------------------------------------------------------------------------------
-// silu(gate) * up of one row of f values, rounded where torch's F.silu(gate) * up rounds (after
-// silu, after the product): silu_and_mul's rows, and the gated product's (quant_linear_silu_mul).
-template <typename T>
-void silu_mul_row(const T* gate, const T* up, T* out, int64_t f) {
+// The gated activations of a merged gate_up projection, act(gate) * up:
+//   SiLU (Llama):       gate / (1 + exp(-gate));
+//   GELU-tanh (Gemma):  torch's form, (0.5 gate) (1 + tanh(u)), u = b (gate + k gate^3), with the
+//                       same constants and steps, tanh(u) = 1 - 2 / (exp(2u) + 1) (odd-extended):
+//                       like torch's, within an ulp or two, so that 1 + tanh(u) keeps its bits
+//                       where it cancels (a strongly negative gate).
+enum class Gate { kNone, kSilu, kGeluTanh };
+
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi), as torch's M_SQRT2 * M_2_SQRTPI / 2
+constexpr float kGeluKappa = 0.044715f;
+
+inline float gelu_tanh(float g) {
+  const float u = kGeluBeta * (g + kGeluKappa * (g * g * g));
+  const float t = 1.f - 2.f / (std::exp(2.f * std::fabs(u)) + 1.f);
+  return (0.5f * g) * (1.f + std::copysign(t, u));
+}
+
+#ifdef PAGEDSERVE_AVX512
+inline __m512 gelu_tanh16(__m512 g) {
+  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(kGeluBeta),
+                                 _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), cube)));
+  const __m512 two_abs_u = _mm512_add_ps(_mm512_abs_ps(u), _mm512_abs_ps(u));
+  const __m512 one = _mm512_set1_ps(1.f);
+  // exp512 is inf above 88: t = 1 there, as tanh
+  const __m512 t = _mm512_sub_ps(
+      one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(exp512(two_abs_u), one)));
+  const __m512 signed_t = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(t),
+      _mm512_and_si512(_mm512_castps_si512(u), _mm512_set1_epi32(INT32_MIN))));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, signed_t));
+}
+#elif defined(PAGEDSERVE_AVX2)
+inline __m256 gelu_tanh8(__m256 g) {
+  const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 u = _mm256_mul_ps(_mm256_set1_ps(kGeluBeta),
+                                 _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(kGeluKappa), cube)));
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 abs_u = _mm256_andnot_ps(sign, u);
+  const __m256 one = _mm256_set1_ps(1.f);
+  // exp256 takes x <= 88; beyond, tanh is 1 in fp32
+  const __m256 big = _mm256_set1_ps(44.f);
+  const __m256 e = exp256(_mm256_add_ps(_mm256_min_ps(abs_u, big), _mm256_min_ps(abs_u, big)));
+  const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+  const __m256 signed_t = _mm256_or_ps(t, _mm256_and_ps(sign, u));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, signed_t));
+}
+#endif
+
+// act(gate) * up of one row of f values, rounded where torch's F.silu(gate) * up (or
+// F.gelu(gate, approximate="tanh") * up) rounds: after the activation, after the product. The
+// rows of silu_and_mul and gelu_tanh_and_mul, and of the gated product (quant_linear_gated).
+template <Gate kGate, typename T>
+void gate_mul_row(const T* gate, const T* up, T* out, int64_t f) {
+  static_assert(kGate != Gate::kNone, "a gated activation");
   int64_t i = 0;
 #ifdef PAGEDSERVE_AVX512
   for (; i + 16 <= f; i += 16) {
     const __m512 g = load16(gate + i);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 silu = round_as(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), gate);
-    store16(out + i, _mm512_mul_ps(silu, load16(up + i)));
+    __m512 act;
+    if constexpr (kGate == Gate::kSilu) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    } else {
+      act = gelu_tanh16(g);
+    }
+    store16(out + i, _mm512_mul_ps(round_as(act, gate), load16(up + i)));
   }
 #elif defined(PAGEDSERVE_AVX2)
   for (; i + 8 <= f; i += 8) {
     const __m256 g = load8(gate + i);
-    // exp256 takes x <= 88; beyond, exp(-g) is inf, as exp512's is: silu(g) = -0
-    const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), g);
-    const __m256 big = _mm256_set1_ps(88.f);
-    const __m256 e = _mm256_blendv_ps(exp256(_mm256_min_ps(neg, big)),
-                                      _mm256_set1_ps(std::numeric_limits<float>::infinity()),
-                                      _mm256_cmp_ps(neg, big, _CMP_GT_OQ));
-    const __m256 silu = round_as8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), gate);
-    store8(out + i, _mm256_mul_ps(silu, load8(up + i)));
+    __m256 act;
+    if constexpr (kGate == Gate::kSilu) {
+      // exp256 takes x <= 88; beyond, exp(-g) is inf, as exp512's is: silu(g) = -0
+      const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), g);
+      const __m256 big = _mm256_set1_ps(88.f);
+      const __m256 e = _mm256_blendv_ps(exp256(_mm256_min_ps(neg, big)),
+                                        _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                                        _mm256_cmp_ps(neg, big, _CMP_GT_OQ));
+      act = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+    } else {
+      act = gelu_tanh8(g);
+    }
+    store8(out + i, _mm256_mul_ps(round_as8(act, gate), load8(up + i)));
   }
 #endif
   for (; i < f; ++i) {
-    // rounded where torch's F.silu(gate) * up rounds: after silu, after the product
     const float g = to_float(gate[i]);
-    const float silu = to_float(from_float<T>(g / (1.f + std::exp(-g))));
-    out[i] = from_float<T>(silu * to_float(up[i]));
+    const float act = kGate == Gate::kSilu ? g / (1.f + std::exp(-g)) : gelu_tanh(g);
+    out[i] = from_float<T>(to_float(from_float<T>(act)) * to_float(up[i]));
   }
 }
 
-// y = x W^T (+ bias) for the rows of xr, or with `silu_mul` the gated form: W's first n / 2 rows
+template <typename T>
+void gate_mul_row(Gate gating, const T* gate, const T* up, T* out, int64_t f) {
+  if (gating == Gate::kSilu) return gate_mul_row<Gate::kSilu>(gate, up, out, f);
+  TORCH_CHECK(gating == Gate::kGeluTanh, "a gated activation");
+  gate_mul_row<Gate::kGeluTanh>(gate, up, out, f);
+}
+
+// y = x W^T (+ bias) for the rows of xr, or with a `gating` the gated form: W's first n / 2 rows
 // are a gate projection and the rest an up projection (a merged gate_up layer, n / 2 a multiple
-// of 16), and y (rows, n / 2) = silu(gate) * up. Each gate and up value is rounded to T as the
-// plain product stores it and silu_mul_row then runs as silu_and_mul does, so the gated form is
-// bitwise silu_and_mul of the plain product; but the (rows, n) product is never written out and
+// of 16), and y (rows, n / 2) = act(gate) * up. Each gate and up value is rounded to T as the
+// plain product stores it and gate_mul_row then runs as silu_and_mul (gelu_tanh_and_mul) does,
+// so the gated form is bitwise that activation of the plain product; but the (rows, n) product is never written out and
 // read back (at a 2,000-token prefill, 12 MB per layer for SmolLM2), and the work is one pass.
 template <int kBits, typename Q, typename S, typename T>
 void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, const uint8_t* codes,
                        const S* scales, const S* mins, const T* bias, int64_t n, T* y,
-                       const OutlierChannels& outliers, bool silu_mul = false) {
+                       const OutlierChannels& outliers, Gate gating = Gate::kNone) {
   const int64_t groups = k / kGroup;
   const int64_t blocks = (n + 15) / 16;
   const int64_t block_code_bytes = groups * (kBits == 4 ? 4 : 8) * 64;
-  // gated: work item b is gate block b and up block b + half, whose rows meet in silu_mul_row
-  const int64_t half = blocks / 2, items = silu_mul ? half : blocks;
+  // gated: work item b is gate block b and up block b + half, whose rows meet in gate_mul_row
+  const bool gated = gating != Gate::kNone;
+  const int64_t half = blocks / 2, items = gated ? half : blocks;
   for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
     const int64_t chunk_end = std::min(rows, chunk + kRowChunk);
     const bool panels = kIntegerPanels && std::is_same_v<Q, int16_t> &&
@@ -817,7 +885,7 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float tile[kRowTile * 16];
       // gated: the chunk's gate values of the item, rounded to T, until its up block comes
-      std::vector<T> gates(silu_mul ? kRowChunk * 16 : 0);
+      std::vector<T> gates(gated ? kRowChunk * 16 : 0);
       T up[16];
 #ifdef PAGEDSERVE_AVX2_INTEGER
       // 32-byte aligned by hand: std::vector drops __m256i's alignment attribute
@@ -855,14 +923,14 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
         }
       };
       for (int64_t b = begin; b < end; ++b) {
-        if (silu_mul) {
+        if (gated) {
           run_block(b, [&](int64_t row, float* values) {
             store_row(values, gates.data() + (row - chunk) * 16, 16);
           });
           run_block(b + half, [&](int64_t row, float* values) {
             store_row(values, up, 16);
-            silu_mul_row(gates.data() + (row - chunk) * 16, up, y + row * (n / 2) + b * 16,
-                         int64_t{16});
+            gate_mul_row(gating, gates.data() + (row - chunk) * 16, up,
+                         y + row * (n / 2) + b * 16, int64_t{16});
           });
           continue;
         }
@@ -882,14 +950,14 @@ template <typename Q, typename T>
 void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
                            const uint8_t* codes, const torch::Tensor& scales,
                            const torch::Tensor& mins, const T* bias, int64_t n, T* y,
-                           const OutlierChannels& outliers, bool silu_mul) {
+                           const OutlierChannels& outliers, Gate gating) {
   const QuantizedRows<Q> xr = quantize_rows<Q>(x, rows, k, outliers);
   auto run = [&](auto* s, auto* m) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
     if (bits == 4) {
-      quant_linear_impl<4, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers, silu_mul);
+      quant_linear_impl<4, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers, gating);
     } else {
-      quant_linear_impl<8, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers, silu_mul);
+      quant_linear_impl<8, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers, gating);
     }
   };
   if (scales.scalar_type() == torch::kFloat32) {
@@ -1263,14 +1331,14 @@ void check_layout(const torch::Tensor& codes, const torch::Tensor& scales,
 // and integer dot products (VNNI); 32: exact weights and fp32 sums (the fp32 compute path).
 // outlier_channels (int64 [count], ascending) and outlier_weights (fp16 [count, N padded to 16]):
 // see OutlierChannels; quantized activations only.
-// silu_mul: quant_linear_silu_mul's gated form (no bias).
+// gating: quant_linear_gated's gated form (no bias).
 torch::Tensor quant_linear_product(const torch::Tensor& x, const torch::Tensor& codes,
                                    const torch::Tensor& scales, const torch::Tensor& mins,
                                    int64_t n, int64_t bits, int64_t activation_bits,
                                    const c10::optional<torch::Tensor>& bias,
                                    const c10::optional<torch::Tensor>& outlier_channels,
                                    const c10::optional<torch::Tensor>& outlier_weights,
-                                   bool silu_mul) {
+                                   Gate gating) {
   TORCH_CHECK(x.dim() == 2, "x must be (rows, K)");
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16 || activation_bits == 32,
               "activation_bits must be 8, 16 or 32 (fp32, exact weights)");
@@ -1294,9 +1362,10 @@ torch::Tensor quant_linear_product(const torch::Tensor& x, const torch::Tensor& 
     outliers = OutlierChannels{ch, w.data_ptr<c10::Half>(), c.numel(), w.size(1)};
   }
   torch::Tensor xc = x.contiguous();
-  TORCH_CHECK(!silu_mul || (activation_bits != 32 && !bias && n % 32 == 0),
+  const bool gated = gating != Gate::kNone;
+  TORCH_CHECK(!gated || (activation_bits != 32 && !bias && n % 32 == 0),
               "the gated product takes quantized activations, no bias, and n / 2 a multiple of 16");
-  torch::Tensor y = torch::empty({rows, silu_mul ? n / 2 : n}, x.options());
+  torch::Tensor y = torch::empty({rows, gated ? n / 2 : n}, x.options());
   torch::Tensor b;
   if (bias) {
     b = bias->to(x.scalar_type()).contiguous();
@@ -1311,10 +1380,10 @@ torch::Tensor quant_linear_product(const torch::Tensor& x, const torch::Tensor& 
                                       n, y.data_ptr<scalar_t>());
     } else if (activation_bits == 8) {
       quant_linear_dispatch<int8_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c, scales, mins, bp,
-                                    n, y.data_ptr<scalar_t>(), outliers, silu_mul);
+                                    n, y.data_ptr<scalar_t>(), outliers, gating);
     } else {
       quant_linear_dispatch<int16_t>(xc.data_ptr<scalar_t>(), rows, k, bits, c, scales, mins,
-                                     bp, n, y.data_ptr<scalar_t>(), outliers, silu_mul);
+                                     bp, n, y.data_ptr<scalar_t>(), outliers, gating);
     }
   });
   return y;
@@ -1326,18 +1395,25 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
                            c10::optional<torch::Tensor> outlier_channels,
                            c10::optional<torch::Tensor> outlier_weights) {
   return quant_linear_product(x, codes, scales, mins, n, bits, activation_bits, bias,
-                              outlier_channels, outlier_weights, false);
+                              outlier_channels, outlier_weights, Gate::kNone);
 }
 
-// silu(gate) * up of a merged gate_up layer (n = 2F rows, gate first), without its (rows, n)
-// product: bitwise silu_and_mul(quant_linear(...)). See quant_linear_impl.
-torch::Tensor quant_linear_silu_mul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                                    torch::Tensor mins, int64_t n, int64_t bits,
-                                    int64_t activation_bits,
-                                    c10::optional<torch::Tensor> outlier_channels,
-                                    c10::optional<torch::Tensor> outlier_weights) {
+// The gated activations by name: "silu" (silu_and_mul), "gelu_tanh" (gelu_tanh_and_mul).
+Gate gate_named(const std::string& activation) {
+  if (activation == "silu") return Gate::kSilu;
+  TORCH_CHECK(activation == "gelu_tanh", "activation must be silu or gelu_tanh, not ", activation);
+  return Gate::kGeluTanh;
+}
+
+// act(gate) * up of a merged gate_up layer (n = 2F rows, gate first), without its (rows, n)
+// product: bitwise silu_and_mul (gelu_tanh_and_mul) of quant_linear(...). See quant_linear_impl.
+torch::Tensor quant_linear_gated(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                 torch::Tensor mins, int64_t n, int64_t bits,
+                                 int64_t activation_bits, const std::string& activation,
+                                 c10::optional<torch::Tensor> outlier_channels,
+                                 c10::optional<torch::Tensor> outlier_weights) {
   return quant_linear_product(x, codes, scales, mins, n, bits, activation_bits, c10::nullopt,
-                              outlier_channels, outlier_weights, true);
+                              outlier_channels, outlier_weights, gate_named(activation));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1562,80 +1638,96 @@ torch::Tensor dequantize_linear(torch::Tensor x, torch::Tensor codes, torch::Ten
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm, optionally after the residual add: s = x + residual (stored in the compute dtype, as
-// the residual stream is); out = weight * round(s * rsqrt(mean(s^2) + eps)), statistics in fp32.
+// the residual stream is), statistics in fp32, and then either Llama's weighting,
+//   out = weight * round(s * rsqrt(mean(s^2) + eps)),
+// or with unit_offset Gemma's (a zero-centred weight, everything in fp32, rounded once):
+//   out = round(s * rsqrt(mean(s^2) + eps) * (1 + weight)).
+
+// One row of h values; s: h floats of scratch. out may be x itself (the row is read first).
+template <typename T>
+void rms_norm_row(const T* x, const T* residual_in, T* residual_out, const T* weight, float eps,
+                  int64_t h, bool unit_offset, float* s, T* out) {
+#ifdef PAGEDSERVE_AVX512
+  if (h % 16 == 0) {
+    __m512 sq = _mm512_setzero_ps();
+    for (int64_t i = 0; i < h; i += 16) {
+      __m512 v = load16(x + i);
+      if (residual_in) v = round_as(_mm512_add_ps(v, load16(residual_in + i)), x);
+      _mm512_storeu_ps(s + i, v);
+      sq = _mm512_fmadd_ps(v, v, sq);
+    }
+    const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(h) + eps);
+    const __m512 inv_v = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.f);
+    for (int64_t i = 0; i < h; i += 16) {
+      const __m512 v = _mm512_loadu_ps(s + i);
+      if (residual_out) store16(residual_out + i, v);
+      const __m512 normed = _mm512_mul_ps(v, inv_v);
+      store16(out + i, unit_offset
+                           ? _mm512_mul_ps(normed, _mm512_add_ps(one, load16(weight + i)))
+                           : _mm512_mul_ps(load16(weight + i), round_as(normed, x)));
+    }
+    return;
+  }
+#elif defined(PAGEDSERVE_AVX2)
+  if (h % 8 == 0) {
+    __m256 sq = _mm256_setzero_ps();
+    for (int64_t i = 0; i < h; i += 8) {
+      __m256 v = load8(x + i);
+      if (residual_in) v = round_as8(_mm256_add_ps(v, load8(residual_in + i)), x);
+      _mm256_storeu_ps(s + i, v);
+      sq = _mm256_fmadd_ps(v, v, sq);
+    }
+    const float inv = 1.f / std::sqrt(reduce_add8(sq) / static_cast<float>(h) + eps);
+    const __m256 inv_v = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.f);
+    for (int64_t i = 0; i < h; i += 8) {
+      const __m256 v = _mm256_loadu_ps(s + i);
+      if (residual_out) store8(residual_out + i, v);
+      const __m256 normed = _mm256_mul_ps(v, inv_v);
+      store8(out + i, unit_offset
+                          ? _mm256_mul_ps(normed, _mm256_add_ps(one, load8(weight + i)))
+                          : _mm256_mul_ps(load8(weight + i), round_as8(normed, x)));
+    }
+    return;
+  }
+#endif
+  float sum_sq = 0.f;
+  for (int64_t i = 0; i < h; ++i) {
+    float v = to_float(x[i]);
+    if (residual_in) {
+      // rounded to the stored dtype first: the next layer reads the residual from memory
+      v = to_float(from_float<T>(v + to_float(residual_in[i])));
+    }
+    s[i] = v;
+    sum_sq += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) {
+    if (residual_out) residual_out[i] = from_float<T>(s[i]);
+    const float normed = s[i] * inv;
+    out[i] = unit_offset ? from_float<T>(normed * (1.f + to_float(weight[i])))
+                         : from_float<T>(to_float(weight[i]) * to_float(from_float<T>(normed)));
+  }
+}
 
 template <typename T>
 void add_rms_norm_impl(const T* x, T* residual_out, const T* residual_in, const T* weight,
-                       double eps, int64_t rows, int64_t h, T* out) {
+                       double eps, int64_t rows, int64_t h, bool unit_offset, T* out) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(h);
     for (int64_t r = begin; r < end; ++r) {
-#ifdef PAGEDSERVE_AVX512
-      if (h % 16 == 0) {
-        __m512 sq = _mm512_setzero_ps();
-        for (int64_t i = 0; i < h; i += 16) {
-          __m512 v = load16(x + r * h + i);
-          if (residual_in) v = round_as(_mm512_add_ps(v, load16(residual_in + r * h + i)), x);
-          _mm512_storeu_ps(s.data() + i, v);
-          sq = _mm512_fmadd_ps(v, v, sq);
-        }
-        const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(h) +
-                                          static_cast<float>(eps));
-        const __m512 inv_v = _mm512_set1_ps(inv);
-        for (int64_t i = 0; i < h; i += 16) {
-          const __m512 v = _mm512_loadu_ps(s.data() + i);
-          if (residual_out) store16(residual_out + r * h + i, v);
-          store16(out + r * h + i,
-                  _mm512_mul_ps(load16(weight + i), round_as(_mm512_mul_ps(v, inv_v), x)));
-        }
-        continue;
-      }
-#elif defined(PAGEDSERVE_AVX2)
-      if (h % 8 == 0) {
-        __m256 sq = _mm256_setzero_ps();
-        for (int64_t i = 0; i < h; i += 8) {
-          __m256 v = load8(x + r * h + i);
-          if (residual_in) v = round_as8(_mm256_add_ps(v, load8(residual_in + r * h + i)), x);
-          _mm256_storeu_ps(s.data() + i, v);
-          sq = _mm256_fmadd_ps(v, v, sq);
-        }
-        const float inv = 1.f / std::sqrt(reduce_add8(sq) / static_cast<float>(h) +
-                                          static_cast<float>(eps));
-        const __m256 inv_v = _mm256_set1_ps(inv);
-        for (int64_t i = 0; i < h; i += 8) {
-          const __m256 v = _mm256_loadu_ps(s.data() + i);
-          if (residual_out) store8(residual_out + r * h + i, v);
-          store8(out + r * h + i,
-                 _mm256_mul_ps(load8(weight + i), round_as8(_mm256_mul_ps(v, inv_v), x)));
-        }
-        continue;
-      }
-#endif
-      float sum_sq = 0.f;
-      for (int64_t i = 0; i < h; ++i) {
-        float v = to_float(x[r * h + i]);
-        if (residual_in) {
-          // rounded to the stored dtype first: the next layer reads the residual from memory
-          v = to_float(from_float<T>(v + to_float(residual_in[r * h + i])));
-        }
-        s[i] = v;
-        sum_sq += v * v;
-      }
-      const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(h) + static_cast<float>(eps));
-      for (int64_t i = 0; i < h; ++i) {
-        if (residual_out) residual_out[r * h + i] = from_float<T>(s[i]);
-        const float normed = to_float(from_float<T>(s[i] * inv));
-        out[r * h + i] = from_float<T>(to_float(weight[i]) * normed);
-      }
+      rms_norm_row(x + r * h, residual_in ? residual_in + r * h : nullptr,
+                   residual_out ? residual_out + r * h : nullptr, weight,
+                   static_cast<float>(eps), h, unit_offset, s.data(), out + r * h);
     }
   });
 }
 
 // Returns (norm(x + residual), x + residual); without residual, (norm(x), x).
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                        torch::Tensor weight, double eps) {
+                                        torch::Tensor weight, double eps, bool unit_offset) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous (rows, hidden)");
   const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(weight.numel() == h, "one weight per hidden value");
   torch::Tensor w = weight.to(x.scalar_type()).contiguous();
   torch::Tensor out = torch::empty_like(x);
   torch::Tensor res_out;
@@ -1647,9 +1739,36 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
     add_rms_norm_impl<scalar_t>(
         x.data_ptr<scalar_t>(), residual ? res_out.data_ptr<scalar_t>() : nullptr,
         residual ? residual->data_ptr<scalar_t>() : nullptr, w.data_ptr<scalar_t>(), eps, rows,
-        h, out.data_ptr<scalar_t>());
+        h, unit_offset, out.data_ptr<scalar_t>());
   });
   return {out, residual ? res_out : x};
+}
+
+// QK-norm in place: each of the first q_heads + k_heads heads (D values each) of every row of
+// qkv (rows, width), q and k side by side as a projection leaves them, RMS-normed over its D
+// values with q_weight (q heads) or k_weight (k heads), as add_rms_norm computes a row.
+void rms_norm_heads_inplace(torch::Tensor qkv, int64_t q_heads, int64_t k_heads,
+                            torch::Tensor q_weight, torch::Tensor k_weight, double eps,
+                            bool unit_offset) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be (rows, width) with dense rows");
+  const int64_t d = q_weight.numel(), rows = qkv.size(0), heads = q_heads + k_heads;
+  TORCH_CHECK(k_weight.numel() == d && heads * d <= qkv.size(1), "head shapes");
+  torch::Tensor qw = q_weight.to(qkv.scalar_type()).contiguous();
+  torch::Tensor kw = k_weight.to(qkv.scalar_type()).contiguous();
+  DISPATCH_FLOAT_OR_BF16(qkv.scalar_type(), "rms_norm_heads_inplace", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    const int64_t stride = qkv.stride(0);
+    const scalar_t* weights[2] = {qw.data_ptr<scalar_t>(), kw.data_ptr<scalar_t>()};
+    at::parallel_for(0, rows * heads, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> s(d);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t r = task / heads, head = task % heads;
+        scalar_t* x = base + r * stride + head * d;
+        rms_norm_row<scalar_t>(x, nullptr, nullptr, weights[head >= q_heads],
+                               static_cast<float>(eps), d, unit_offset, s.data(), x);
+      }
+    });
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1772,21 +1891,27 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// silu(gate) * up over a merged (rows, 2F) projection.
+// act(gate) * up over a merged (rows, 2F) projection: silu_and_mul, gelu_tanh_and_mul.
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+torch::Tensor gate_and_mul(const torch::Tensor& gate_up, Gate gating) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "gate_up must be (rows, 2F)");
   const int64_t rows = gate_up.size(0), f = gate_up.size(1) / 2;
   torch::Tensor out = torch::empty({rows, f}, gate_up.options());
-  DISPATCH_FLOAT_OR_BF16(gate_up.scalar_type(), "silu_and_mul", [&] {
+  DISPATCH_FLOAT_OR_BF16(gate_up.scalar_type(), "gate_and_mul", [&] {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        silu_mul_row(in + r * 2 * f, in + r * 2 * f + f, o + r * f, f);
+        gate_mul_row(gating, in + r * 2 * f, in + r * 2 * f + f, o + r * f, f);
     });
   });
   return out;
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) { return gate_and_mul(gate_up, Gate::kSilu); }
+
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  return gate_and_mul(gate_up, Gate::kGeluTanh);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2804,15 +2929,15 @@ struct PackedLinear {
     return bias ? y + *bias : y;  // as Linear.forward: the bias added in the compute dtype
   }
 
-  // A merged gate_up layer's silu(gate) * up in one pass (quant_linear_silu_mul), where that
+  // A merged gate_up layer's silu(gate) * up in one pass (quant_linear_gated), where that
   // kernel computes what silu_and_mul(*this(x)) would: codes, quantized activations, no bias.
   bool gates(const torch::Tensor& x) const {
     return !(dense_above_max_rows && x.size(0) > packed_max_rows) && activation_bits != 32 &&
            !bias && out_features % 32 == 0;
   }
   torch::Tensor silu_mul(const torch::Tensor& x) const {
-    return quant_linear_silu_mul(x, codes, scales, mins, out_features, bits, activation_bits,
-                                 outlier_channels, outlier_weights);
+    return quant_linear_gated(x, codes, scales, mins, out_features, bits, activation_bits, "silu",
+                              outlier_channels, outlier_weights);
   }
 };
 
@@ -2892,7 +3017,7 @@ class DecoderStack {
     torch::Tensor x = hidden;
     for (int64_t i = 0; i < num_layers; ++i) {
       const DecoderLayerWeights& layer = layers_[i];
-      auto normed = add_rms_norm(x, residual, layer.input_norm, eps_);
+      auto normed = add_rms_norm(x, residual, layer.input_norm, eps_, false);
       residual = normed[1];
       torch::Tensor qkv = lora.add(layer.qkv(normed[0]), normed[0], i, 0);
       rotary_inplace(qkv, num_heads_ + num_kv_heads_, head_dim_, positions, cos_cache_,
@@ -2910,7 +3035,7 @@ class DecoderStack {
                                            seq_lens, scale, key_scale, value_scale);
       torch::Tensor attn_rows = attn.view({tokens, q_size});
       x = lora.add(layer.o(attn_rows), attn_rows, i, 1);
-      normed = add_rms_norm(x, residual, layer.post_attention_norm, eps_);
+      normed = add_rms_norm(x, residual, layer.post_attention_norm, eps_, false);
       residual = normed[1];
       // LoRA's delta joins the gate_up product before the activation: two steps then
       torch::Tensor activated =
@@ -2919,7 +3044,7 @@ class DecoderStack {
               : silu_and_mul(lora.add(layer.gate_up(normed[0]), normed[0], i, 2));
       x = lora.add(layer.down(activated), activated, i, 3);
     }
-    return add_rms_norm(x, residual, final_norm_, eps_)[0];
+    return add_rms_norm(x, residual, final_norm_, eps_, false)[0];
   }
 
  private:
@@ -3035,12 +3160,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bits"), py::arg("activation_bits"), py::arg("bias") = py::none(),
         py::arg("outlier_channels") = py::none(), py::arg("outlier_weights") = py::none(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("quant_linear_silu_mul", &quant_linear_silu_mul,
-        "silu(gate) * up of a merged gate_up layer on GGUF-form weights, in one pass: bitwise "
-        "silu_and_mul(quant_linear(...)) (quantized activations, no bias, N / 2 a multiple of 16)",
+  m.def("quant_linear_gated", &quant_linear_gated,
+        "act(gate) * up of a merged gate_up layer's quant_linear, in one pass: bitwise "
+        "silu_and_mul or gelu_tanh_and_mul of the product (quantized activations, no bias, "
+        "N / 2 a multiple of 16)",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("n"),
-        py::arg("bits"), py::arg("activation_bits"), py::arg("outlier_channels") = py::none(),
-        py::arg("outlier_weights") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("bits"), py::arg("activation_bits"), py::arg("activation"),
+        py::arg("outlier_channels") = py::none(), py::arg("outlier_weights") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("peak_kinds", &peak_kinds,
         "the instruction kinds peak_seconds runs in this build, and multiply-adds per instruction");
   m.def("peak_seconds", &peak_seconds,
@@ -3063,10 +3190,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bits"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm after an optional residual add",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+        py::arg("unit_offset") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_heads_inplace", &rms_norm_heads_inplace,
+        "QK-norm: RMSNorm of each q and k head of a qkv projection, in place",
+        py::arg("qkv"), py::arg("q_heads"), py::arg("k_heads"), py::arg("q_weight"),
+        py::arg("k_weight"), py::arg("eps"), py::arg("unit_offset") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("rotary_inplace", &rotary_inplace, "rotary embedding on q and k in place",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu(gate, approximate='tanh') * up",
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of (rows, V) logits",
         py::call_guard<py::gil_scoped_release>());

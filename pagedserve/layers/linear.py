@@ -233,22 +233,23 @@ class MergedLinear(Linear):
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.forward(x).split(self.output_sizes, dim=-1)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of a gate_up layer (two shards, gate first) computed by its codes in
-        one pass, bitwise silu_and_mul(self(x)); None where that pass does not apply (no
+    def gated_activation(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """act(gate) * up of a gate_up layer (two shards, gate first; activation "silu" or
+        "gelu_tanh") computed by its codes in one pass, bitwise silu_and_mul(self(x)) (or
+        gelu_tanh_and_mul); None where that pass does not apply (no
         compiled codes, the dense product's row counts, a bias, a LoRA step that adds its delta
         to the product first) or where hooks watch this layer's calls (the outlier channels'
         calibration records its input, `bench throughput --profile` times it), which the one
         pass would skip: the caller takes the two steps."""
         packed = self.packed
         if (self._forward_pre_hooks or self._forward_hooks
-                or not isinstance(packed, GroupQuantizedWeight) or not packed.gates_silu_and_mul
+                or not isinstance(packed, GroupQuantizedWeight) or not packed.serves_gated_product
                 or len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]
                 or self.bias is not None or x.dim() != 2 or not x.is_contiguous()
                 or self._takes_dense_product(x)
                 or get_lora_step() is not None):
             return None
-        return packed.silu_and_mul_product(x)
+        return packed.gated_product(x, activation)
 
 
 class RowParallelLinear(Linear):

@@ -12,6 +12,10 @@ from pagedserve.kernels import cpu_ops, triton_ops
 
 
 class RMSNorm(nn.Module):
+    unit_offset = False
+    """Gemma's form (a subclass's): the zero-centred weight applied as (1 + weight) in fp32 and
+    the result rounded once, where Llama's rounds the normed value before its weight."""
+
     def __init__(self, hidden_size: int, eps: float, kernels: ModuleType | None) -> None:
         """kernels: the compiled CPU kernels (kernels/cpu_ops.py) or None for the torch path."""
         super().__init__()
@@ -34,7 +38,8 @@ class RMSNorm(nn.Module):
         ops = self.kernels
         if ops is not None and cpu_ops.serves(x) and x.dim() == 2 and x.is_contiguous():
             # one call instead of five ops; the same roundings (csrc/cpu_ops.cpp add_rms_norm)
-            normed, residual = ops.add_rms_norm(x, residual, self.weight, self.eps)
+            normed, residual = ops.add_rms_norm(x, residual, self.weight, self.eps,
+                                                self.unit_offset)
             return normed, residual
         gpu = self.gpu_kernels
         if (gpu is not None and x.dim() == 2 and gpu.serves(x)

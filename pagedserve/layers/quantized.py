@@ -399,18 +399,20 @@ class GroupQuantizedWeight(torch.nn.Module):
                                               self.out_features, self.in_features, self.bits,
                                               self.dtype)
 
-    def silu_and_mul_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, K) -> (T, N / 2): silu(gate) * up of this merged gate_up weight's product (gate
-        rows first), bitwise layers/activation.py silu_and_mul(self(x)), in one pass that never
-        stores the (T, N) product (csrc: quant_linear_silu_mul). Quantized activations and
-        N / 2 a multiple of 16 only (`gates_silu_and_mul`)."""
-        return self._ops.quant_linear_silu_mul(x, self.codes, self.scales, self.mins,
-                                               self.out_features, self.bits, self.activation_bits,
-                                               self.outlier_channels, self.outlier_weights)
+    def gated_product(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """x (T, K) -> (T, N / 2): act(gate) * up of this merged gate_up weight's product (gate
+        rows first), activation "silu" or "gelu_tanh": bitwise layers/activation.py's
+        silu_and_mul (gelu_tanh_and_mul) of self(x), in one pass that never stores the (T, N)
+        product (csrc: quant_linear_gated). Quantized activations and N / 2 a multiple of 16
+        only (`serves_gated_product`)."""
+        return self._ops.quant_linear_gated(x, self.codes, self.scales, self.mins,
+                                            self.out_features, self.bits, self.activation_bits,
+                                            activation, self.outlier_channels,
+                                            self.outlier_weights)
 
     @property
-    def gates_silu_and_mul(self) -> bool:
-        """Whether silu_and_mul_product serves this weight."""
+    def serves_gated_product(self) -> bool:
+        """Whether gated_product serves this weight."""
         return self.activation_bits != 32 and self.out_features % 32 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

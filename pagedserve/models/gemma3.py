@@ -12,10 +12,13 @@ What differs from llama.py, and where it lives:
                rope_local_theta, the others see everything and rotate with rope_theta
   head         tied; logits soft-capped when final_logit_softcapping is set
 The compiled decoder stack (models/decoder_stack.py) implements only Llama's block: it never runs
-here. Weights keep HF names and HF's zero-centred norm weights (gguf_loader.py converts).
+here; the layers take the compiled kernels one by one (Gemma's norms, QK-norm in place, the gated
+GELU in one pass on the codes, rotary in place). Weights keep HF names and HF's zero-centred norm weights (gguf_loader.py converts).
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +46,14 @@ from pagedserve.models.llama import (
 class GemmaRMSNorm(RMSNorm):
     """RMSNorm's contract (optionally fused with the residual add before it), Gemma's arithmetic:
     x * rsqrt(mean(x^2) + eps) * (1 + weight), all in fp32, rounded once to x's dtype (HF's
-    Gemma3RMSNorm; Llama's rounds before the weight). weight is zero-centred. The compiled
-    kernel computes Llama's form, so this one always runs in torch."""
+    Gemma3RMSNorm; Llama's rounds before the weight). weight is zero-centred. The compiled CPU
+    kernel has both forms (unit_offset); the Triton one computes Llama's only."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__(dim, eps, kernels=None)
-        self.gpu_kernels = None  # the Triton kernel computes Llama's form too
+    unit_offset = True
+
+    def __init__(self, dim: int, eps: float, kernels: ModuleType | None) -> None:
+        super().__init__(dim, eps, kernels)
+        self.gpu_kernels = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # 1 + weight per call (dim elements): a stored fp32 copy would be cast by model.to(dtype).
@@ -60,34 +65,37 @@ class Gemma3Attention(LlamaAttention):
     """Llama's attention with QK-norm (config.qk_norm), in Gemma's norm."""
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, local_layer_idx: int,
-                 prefix: str, backend: AttentionBackend, sliding_window: int | None) -> None:
+                 prefix: str, backend: AttentionBackend, kernels: ModuleType | None,
+                 sliding_window: int | None) -> None:
         if not config.qk_norm:
             raise ValueError("Gemma 3 normalizes q and k per head (qk_norm)")
-        super().__init__(config, rotary_emb, local_layer_idx, prefix, backend, None,
+        super().__init__(config, rotary_emb, local_layer_idx, prefix, backend, kernels,
                          sliding_window)
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, kernels)
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, kernels)
 
 
 class Gemma3MLP(LlamaMLP):
+    activation = "gelu_tanh"
+
     def act_fn(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return gelu_tanh_and_mul(gate_up)
+        return gelu_tanh_and_mul(gate_up, self.kernels)
 
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, local_layer_idx: int,
-                 prefix: str, backend: AttentionBackend, sliding_window: int | None,
-                 mlp: nn.Module | None) -> None:
+                 prefix: str, backend: AttentionBackend, kernels: ModuleType | None,
+                 sliding_window: int | None, mlp: nn.Module | None) -> None:
         """mlp: the layer's MLP, if not Gemma3MLP (see MLPFactory)."""
         super().__init__()
         self.self_attn = Gemma3Attention(config, rotary_emb, local_layer_idx,
-                                         f"{prefix}.self_attn", backend, sliding_window)
-        self.mlp = mlp if mlp is not None else Gemma3MLP(config, f"{prefix}.mlp", kernels=None)
+                                         f"{prefix}.self_attn", backend, kernels, sliding_window)
+        self.mlp = mlp if mlp is not None else Gemma3MLP(config, f"{prefix}.mlp", kernels)
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, kernels)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, kernels)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, kernels)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, kernels)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -123,10 +131,10 @@ class Gemma3Model(StagedDecoder):
         backend = create_attention_backend(torch.get_default_device(), dtype, kernels)
         # Each table is looked up once per step by its first layer (RotaryEmbedding._lookup).
         global_rope = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, None)
+            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, kernels)
         local_rope = global_rope if config.rope_local_theta in (None, config.rope_theta) else (
             RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                            config.rope_local_theta, dtype, None))
+                            config.rope_local_theta, dtype, kernels))
 
         def layer(i: int) -> nn.Module:
             if not self.start_layer <= i < self.end_layer:
@@ -134,11 +142,11 @@ class Gemma3Model(StagedDecoder):
             window = config.layer_sliding_window(i)
             mlp = make_mlp(i, f"model.layers.{i}.mlp", None) if make_mlp else None
             return Gemma3DecoderLayer(config, global_rope if window is None else local_rope,
-                                      i - self.start_layer, f"model.layers.{i}", backend, window,
-                                      mlp)
+                                      i - self.start_layer, f"model.layers.{i}", backend,
+                                      kernels, window, mlp)
 
         self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
-        self.norm = (GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = (GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
                      if self.is_last_stage else None)
         self.fused_decoder_layers = False
         """The compiled decoder stack implements Llama's block only (read by the profiler)."""

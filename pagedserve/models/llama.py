@@ -114,6 +114,14 @@ class LlamaAttention(nn.Module):
 
     def _norm_qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """(T, (H + 2 Hkv) D) -> the same with every q and k head RMS-normed over its D values."""
+        ops = self.q_norm.kernels
+        if ops is not None and cpu_ops.serves(qkv) and qkv.dim() == 2 and qkv.stride(1) == 1:
+            # In place on the projection's output, each head as the norm module computes it
+            # (csrc rms_norm_heads_inplace), without the split, the copies and the cat below.
+            ops.rms_norm_heads_inplace(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight,
+                                       self.k_norm.weight, self.q_norm.eps,
+                                       self.q_norm.unit_offset)
+            return qkv
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                              self.num_kv_heads * self.head_dim], dim=1)
@@ -137,8 +145,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size,
                                            bias=config.mlp_bias, prefix=f"{prefix}.down_proj")
 
+    activation = "silu"
+    """The gated activation act(gate) * up (layers/activation.py): "silu" or "gelu_tanh"."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        activated = self.gate_up_proj.silu_and_mul(x) if self.kernels is not None else None
+        activated = (self.gate_up_proj.gated_activation(x, self.activation)
+                     if self.kernels is not None else None)
         if activated is None:
             activated = self.act_fn(self.gate_up_proj(x))
         return self.down_proj(activated)

@@ -4,8 +4,9 @@ quant_linear is checked against a torch transcription of its own arithmetic (act
 quantized per 32-element group, then exact sums) to fp32 rounding, and against the dequantized
 fp32 matmul within the activation quantization's error. Its fp32 mode (activation_bits 32) must
 reproduce the dequantized weights bit for bit, stay within fp32 summation error of the fp64
-product, and give a row the same bits in any batch. The elementwise kernels must equal the
-Python modules they stand in for, bit for bit, since the decoder stack's equality rests on it.
+product, and give a row the same bits in any batch. The elementwise kernels of Llama's block
+must equal the Python modules they stand in for, bit for bit, since the decoder stack's equality
+rests on it; Gemma's norm and GELU (no decoder stack) stay within the ulps their tests state.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_ops
 from pagedserve.layers import quantized
-from pagedserve.layers.activation import silu_and_mul
+from pagedserve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.quantized import (
     GQT,
@@ -246,6 +247,77 @@ def test_add_rms_norm_equals_the_module_path():
         assert torch.equal(a, c) and torch.equal(b, d)
 
 
+def test_gelu_tanh_and_mul_equals_torch():
+    """Gemma's gating. Both sides round tanh(u) to fp32 before 1 + tanh(u), which cancels for
+    negative gates: they may differ by a few ulps of 1 there, times 0.5 * gate * up. bf16: within
+    1e-5, and torch's bits wherever |torch's| > 1e-4; fp32: within 4e-7 |gate * up| plus an ulp
+    or two of the result. Gates past exp's range (+-200) included."""
+    gate_up = torch.randn(64, 2 * 2048, generator=torch.Generator().manual_seed(3)) * 4
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, -30.0, 30.0])
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = gelu_tanh_and_mul(gate_up.to(dtype), ops)
+        theirs = gelu_tanh_and_mul(gate_up.to(dtype), None)
+        assert ours.dtype == dtype
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+        if dtype == torch.float32:
+            gate, up = gate_up.chunk(2, dim=-1)
+            bound = 4e-7 * (gate * up).abs() + 2.5e-7 * theirs.abs()
+            assert ((ours - theirs).abs() <= bound).all()
+        if dtype == torch.bfloat16:
+            visible = theirs.float().abs() > 1e-4
+            assert visible.float().mean() > 0.8  # most values: the gates are N(0, 16)
+            assert torch.equal(ours[visible], theirs[visible])
+
+
+def test_gemma_norm_matches_the_torch_path():
+    """add_rms_norm's unit_offset form (Gemma: (1 + weight) in fp32, rounded once) against
+    GemmaRMSNorm's torch path, with and without the residual add. The sums of squares add in
+    another order than torch's reduction, so the fp32 results differ by an ulp or two and a bf16
+    value can round the other way where the fp32 one sits within an ulp of a rounding edge
+    (about 1 in 10^4): bf16 within one ulp there and equal elsewhere; the residual sums exact."""
+    from pagedserve.models.gemma3 import GemmaRMSNorm
+
+    generator = torch.Generator().manual_seed(11)
+    norm = GemmaRMSNorm(640, 1e-6, ops)
+    norm.weight.data = torch.randn(640, generator=generator) * 0.5
+    for dtype in (torch.bfloat16, torch.float32):
+        norm.to(dtype)
+        x = (torch.randn(33, 640, generator=generator) * 5).to(dtype)
+        residual = torch.randn(33, 640, generator=generator).to(dtype)
+        norm.kernels = ops
+        fused = norm(x, residual), norm(x)
+        norm.kernels = None
+        plain = norm(x, residual), norm(x)
+        for (a, b), (c, d) in zip(fused, plain):
+            assert torch.equal(b, d)
+            if dtype == torch.bfloat16:
+                assert (a != c).float().mean() < 1e-3
+                torch.testing.assert_close(a, c, rtol=2**-7, atol=0)
+            else:
+                torch.testing.assert_close(a, c, rtol=3e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama_form", "gemma_form"])
+def test_qk_norm_in_place_equals_the_split_path(gemma):
+    """rms_norm_heads_inplace (QK-norm of Qwen3 and Gemma 3 on the qkv projection's own rows)
+    against the modules' split -> norm -> cat with the same kernels: q and k heads normed with
+    their own weights, v untouched, bit for bit."""
+    from pagedserve.models.gemma3 import GemmaRMSNorm
+
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, d = 4, 2, 256
+    make = (lambda: GemmaRMSNorm(d, 1e-6, ops)) if gemma else (lambda: RMSNorm(d, 1e-6, ops))
+    q_norm, k_norm = make(), make()
+    q_norm.weight.data = torch.randn(d, generator=generator).bfloat16()
+    k_norm.weight.data = torch.randn(d, generator=generator).bfloat16()
+    qkv = torch.randn(7, (heads + 2 * kv_heads) * d, generator=generator).bfloat16() * 3
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    expected = torch.cat([q_norm(q.reshape(-1, d))[0].view(7, -1),
+                          k_norm(k.reshape(-1, d))[0].view(7, -1), v], dim=1)
+    ops.rms_norm_heads_inplace(qkv, heads, kv_heads, q_norm.weight, k_norm.weight, 1e-6, gemma)
+    assert torch.equal(qkv, expected)
+
+
 def test_silu_and_mul_equals_torch():
     """bf16: torch's bits; fp32: within a few ulps (the kernel's exp is a polynomial). Gates
     far past exp's range (+-200) included."""
@@ -257,31 +329,37 @@ def test_silu_and_mul_equals_torch():
                                rtol=2e-6, atol=1e-30)
 
 
+GATED = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+
+
+@pytest.mark.parametrize("activation", sorted(GATED))
 @pytest.mark.parametrize("activation_bits", [16, 8])
 @pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_product_equals_the_two_steps(qtype, activation_bits, dtype):
-    """quant_linear_silu_mul = silu_and_mul(quant_linear(...)) bit for bit: the gate and up
-    values rounded as the product stores them, then the activation kernel's arithmetic. Row
-    counts across the row tiles (8) and chunks (128), outlier channels in one gate and one up
-    column block, and gates past exp's range."""
+def test_gated_product_equals_the_two_steps(qtype, activation_bits, dtype, activation):
+    """quant_linear_gated = silu_and_mul (gelu_tanh_and_mul) of quant_linear(...) bit for bit:
+    the gate and up values rounded as the product stores them, then the activation kernel's
+    arithmetic. Row counts across the row tiles (8) and chunks (128), outlier channels in one
+    gate and one up column block, and gates past exp's range."""
     f, k = 48, 256  # 3 column blocks per half
     weight = decode_gguf_blocks(synthetic_blocks(qtype, 2 * f, k, seed=7), qtype, (2 * f, k))
     layer = GroupQuantizedWeight(weight, ops, dtype, activation_bits)
-    assert layer.gates_silu_and_mul
+    assert layer.serves_gated_product
     for outliers in (None, torch.tensor([5, 130])):
         layer.set_outlier_channels(outliers)
         for rows in (1, 9, 130):
             x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3)
             x[0, :4] = torch.tensor([400.0, -400.0, 0.0, 1e-3])
             x = x.to(dtype)
-            two_steps = silu_and_mul(layer(x), ops)
-            assert torch.equal(layer.silu_and_mul_product(x), two_steps), (outliers, rows)
+            two_steps = GATED[activation](layer(x), ops)
+            assert torch.equal(layer.gated_product(x, activation), two_steps), (outliers, rows)
     with pytest.raises(RuntimeError, match="n / 2 a multiple of 16"):
         narrow = GroupQuantizedWeight(
             decode_gguf_blocks(synthetic_blocks(qtype, 40, k, seed=1), qtype, (40, k)), ops,
             dtype, activation_bits)
-        narrow.silu_and_mul_product(torch.randn(2, k).to(dtype))
+        narrow.gated_product(torch.randn(2, k).to(dtype), activation)
+    with pytest.raises(RuntimeError, match="silu or gelu_tanh"):
+        layer.gated_product(torch.randn(2, k).to(dtype), "relu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

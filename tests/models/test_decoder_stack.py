@@ -144,20 +144,20 @@ def test_stack_equals_modules_on_qwen(monkeypatch, stack_calls):
 
 
 def test_gated_product_equals_the_two_steps_on_the_model(make_llm, monkeypatch, stack_calls):
-    """The MLP's silu(gate) * up in one pass on the codes (quant_linear_silu_mul) in the stack
+    """The MLP's silu(gate) * up in one pass on the codes (quant_linear_gated) in the stack
     and in the modules, against the two steps (gate_up product, then silu_and_mul): the same
     greedy tokens and logprobs, exactly."""
     from pagedserve.layers.quantized import GroupQuantizedWeight
 
     llm = make_llm(dtype=COMPUTE_DTYPE, enable_prefix_caching=False)
     gated_calls = []
-    one_pass = GroupQuantizedWeight.silu_and_mul_product
+    one_pass = GroupQuantizedWeight.gated_product
 
-    def counted(layer, x):
+    def counted(layer, x, activation):
         gated_calls.append(x.shape[0])
-        return one_pass(layer, x)
+        return one_pass(layer, x, activation)
 
-    monkeypatch.setattr(GroupQuantizedWeight, "silu_and_mul_product", counted)
+    monkeypatch.setattr(GroupQuantizedWeight, "gated_product", counted)
     prompts = PARITY_PROMPTS[:3]
     in_stack = _generate(llm, prompts)
     assert stack_calls  # the stack's decodes, gated inside it
@@ -165,7 +165,8 @@ def test_gated_product_equals_the_two_steps_on_the_model(make_llm, monkeypatch, 
     gated_calls.clear()
     in_modules = _generate(llm, prompts)
     assert gated_calls and max(gated_calls) > 1  # prefill and decode rows, one pass each
-    monkeypatch.setattr(linear_layers.MergedLinear, "silu_and_mul", lambda self, x: None)
+    monkeypatch.setattr(linear_layers.MergedLinear, "gated_activation",
+                        lambda self, x, activation: None)
     gated_calls.clear()
     two_steps = _generate(llm, prompts)
     assert not gated_calls

@@ -29,10 +29,26 @@ def tiny_gemma3(tmp_path_factory, tokenizer):
     return write_tiny_gemma3(tmp_path_factory.mktemp("gemma3"), tokenizer)
 
 
-@pytest.mark.parametrize("cpu_kernels", [True, False])
-def test_tiny_gemma3_greedy_matches_transformers(tiny_gemma3, cpu_kernels):
-    from pagedserve.engine.llm import LLM
+GEMMA_KERNELS = ("add_rms_norm", "rms_norm_heads_inplace", "gelu_tanh_and_mul", "rotary_inplace")
+"""The compiled kernels Gemma's layers call one by one (its norms, QK-norm, gating, rotary)."""
 
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_tiny_gemma3_greedy_matches_transformers(tiny_gemma3, cpu_kernels, monkeypatch):
+    """With the compiled kernels each of Gemma's kernels is called, and the tokens stay HF's."""
+    from pagedserve.engine.llm import LLM
+    from pagedserve.kernels import cpu_ops
+
+    calls = {name: 0 for name in GEMMA_KERNELS}
+    ops = cpu_ops.load()
+    if cpu_kernels:
+        if ops is None:
+            pytest.skip("the compiled CPU kernels are unavailable")
+        for name in GEMMA_KERNELS:
+            def counted(*args, _name=name, _kernel=getattr(ops, name), **kwargs):
+                calls[_name] += 1
+                return _kernel(*args, **kwargs)
+            monkeypatch.setattr(ops, name, counted)
     path, hf_model = tiny_gemma3
     assert max(map(len, PROMPTS)) > GEMMA3_SLIDING_WINDOW
     llm = LLM(model=path, dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=128,
@@ -42,6 +58,7 @@ def test_tiny_gemma3_greedy_matches_transformers(tiny_gemma3, cpu_kernels):
         GEMMA3_SLIDING_WINDOW, None]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(calls.values()) if cpu_kernels else not any(calls.values()), calls
     for prompt, output in zip(PROMPTS, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 12)
     llm.engine.assert_idle()
