@@ -132,11 +132,11 @@ class CpuKernelAttentionBackend(AttentionBackend):
         )
 
     def _prefill_kernel_serves(self, q: torch.Tensor, kv_cache: KVCache) -> bool:
-        """bf16 with head_dim 64 or 128 (AVX512-BF16; a quantized cache is dequantized to bf16
+        """bf16 with head_dim 64, 128 or 256 (AVX512-BF16; a quantized cache is dequantized to bf16
         as its tiles are laid out), or fp32 on a plain fp32 cache with head_dim a multiple of 8
         (AVX2 + FMA)."""
         if q.dtype == torch.bfloat16:
-            return q.shape[-1] in (64, 128) and self.kernels.prefill_attention_supported()
+            return q.shape[-1] in (64, 128, 256) and self.kernels.prefill_attention_supported()
         return (
             q.dtype == torch.float32 and len(kv_cache) == 2 and kv_cache[0].dtype == torch.float32
             and q.shape[-1] % 8 == 0 and self.kernels.prefill_attention_f32_supported()

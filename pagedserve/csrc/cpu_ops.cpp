@@ -2701,8 +2701,10 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
     }
   });
   // Rows (token, head) of a KV head in blocks of 8 tokens; a later token sees more keys, so the
-  // blocks are dealt from both ends to give the threads equal work.
+  // blocks are dealt from both ends to give the threads equal work. Head dim 256 (Gemma 3) takes
+  // one row per pass: its 16 accumulators per row leave no registers for a second.
   constexpr int64_t kTokenBlock = 8;
+  constexpr int kRowsPerPass = DC >= 16 ? 1 : kFlashRows;
   const int64_t token_blocks = (tokens + kTokenBlock - 1) / kTokenBlock;
   at::parallel_for(0, kv_heads * token_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
@@ -2721,14 +2723,16 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
           qs[n] = q + t * q_token_stride + head * kD;
           outs[n] = out + (t * heads + head) * kD;
           visible[n] = context_len + t + 1;
-          if (++n == kFlashRows) {
-            flash_rows<DC, kFlashRows>(qs, visible, kt_head, vt_head, scale, outs);
+          if (++n == kRowsPerPass) {
+            flash_rows<DC, kRowsPerPass>(qs, visible, kt_head, vt_head, scale, outs);
             n = 0;
           }
         }
       }
-      if (n == 2) flash_rows<DC, 2>(qs, visible, kt_head, vt_head, scale, outs);
-      if (n == 1) flash_rows<DC, 1>(qs, visible, kt_head, vt_head, scale, outs);
+      if constexpr (kRowsPerPass > 1) {
+        if (n == 2) flash_rows<DC, 2>(qs, visible, kt_head, vt_head, scale, outs);
+        if (n == 1) flash_rows<DC, 1>(qs, visible, kt_head, vt_head, scale, outs);
+      }
     }
   });
 }
@@ -2736,9 +2740,9 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
 
 #include "prefill_attention_f32.h"
 
-// One request's prefill chunk: bf16 with head_dim 64 or 128 (the flash kernel above), or fp32 on
-// a plain fp32 cache with head_dim a multiple of 8 (prefill_attention_f32.h). The caller keeps its
-// torch path otherwise: `prefill_attention_supported`, `prefill_attention_f32_supported`.
+// One request's prefill chunk: bf16 with head_dim 64, 128 or 256 (the flash kernel above), or
+// fp32 on a plain fp32 cache with head_dim a multiple of 8 (prefill_attention_f32.h). The caller
+// keeps its torch path otherwise: `prefill_attention_supported`, `prefill_attention_f32_supported`.
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor block_ids, int64_t context_len, double scale,
                                 c10::optional<torch::Tensor> key_scale,
@@ -2795,8 +2799,10 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch:
     run(std::integral_constant<int, 4>());
   } else if (d == 128) {
     run(std::integral_constant<int, 8>());
+  } else if (d == 256) {
+    run(std::integral_constant<int, 16>());
   } else {
-    TORCH_CHECK(false, "head_dim 64 or 128 only");
+    TORCH_CHECK(false, "head_dim 64, 128 or 256 only");
   }
   return out;
 #else

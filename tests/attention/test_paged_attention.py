@@ -160,6 +160,7 @@ def test_bf16_matches_reference_within_bf16_rounding(backend):
     (9, 3, 64),  # SmolLM2's shape: a KV head's 3 query heads are one row group of the kernel
     (14, 2, 64),  # Qwen2.5-0.5B's: group 7, so a row group spans two or three tokens
     (8, 2, 128),
+    (4, 1, 256),  # Gemma-3-270M's: one row per pass over the keys
 ])
 @pytest.mark.parametrize("query_lens,context_lens", [([1, 300], [40, 0]), ([200, 70], [37, 500])])
 def test_bf16_prefill_chunks_match_reference(backend, query_lens, context_lens, num_heads,
