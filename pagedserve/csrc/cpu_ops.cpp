@@ -1301,6 +1301,88 @@ bool integer_linear_vectorized() {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// y = x W^T (+ bias) for a few bf16 rows and a dense bf16 W (N, K): the layers whose GGUF form
+// the codes' layout cannot hold (Q6_K's 16-element scales) and that keep dequantized weights.
+// At one to four rows the product is a stream of W: torch's bf16 linear read it at ~16 GB/s from
+// memory here (Zen 4); this one reads each row of W once for every row of x, 32 products per
+// AVX512-BF16 instruction, sums in fp32, rounded once to bf16.
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+constexpr int64_t kDenseRowsMax = 4;
+
+template <int kRows>
+void dense_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
+                     int64_t n, int64_t k, c10::BFloat16* y) {
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t col = begin; col < end; ++col) {
+      const c10::BFloat16* wc = w + col * k;
+      __m512 acc[kRows][2];
+      for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 64 <= k; i += 64) {  // two chains per row
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wc + i);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wc + i + 32);
+        for (int r = 0; r < kRows; ++r) {
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_loadu_si512(x + r * k + i));
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1,
+                                       (__m512bh)_mm512_loadu_si512(x + r * k + i + 32));
+        }
+      }
+      if (i < k) {  // k % 32 == 0: one 32-element step left
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wc + i);
+        for (int r = 0; r < kRows; ++r)
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_loadu_si512(x + r * k + i));
+      }
+      for (int r = 0; r < kRows; ++r) {
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+        if (bias) sum += static_cast<float>(bias[col]);
+        y[r * n + col] = c10::BFloat16(sum);
+      }
+    }
+  });
+}
+#endif
+
+bool dense_rows_supported() {
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x (rows <= 4, K) bf16, w (N, K) bf16 contiguous, K a multiple of 32 (dense_rows_supported()).
+torch::Tensor dense_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (rows, K), w (N, K)");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
+              "bf16 only");
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= kDenseRowsMax && k % 32 == 0, "1 to 4 rows, K % 32 == 0");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  torch::Tensor xc = x.contiguous();
+  torch::Tensor b;
+  if (bias) {
+    b = bias->to(torch::kBFloat16).contiguous();
+    TORCH_CHECK(b.numel() == n, "bias size");
+  }
+  torch::Tensor y = torch::empty({rows, n}, x.options());
+  const auto* xp = xc.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias ? b.data_ptr<c10::BFloat16>() : nullptr;
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  switch (rows) {
+    case 1: dense_rows_bf16<1>(xp, wp, bp, n, k, yp); break;
+    case 2: dense_rows_bf16<2>(xp, wp, bp, n, k, yp); break;
+    case 3: dense_rows_bf16<3>(xp, wp, bp, n, k, yp); break;
+    default: dense_rows_bf16<4>(xp, wp, bp, n, k, yp); break;
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "built without AVX512-BF16");
+#endif
+}
+
 // Whether activation_bits = 32 runs vectorized here; the scalar fallback is correct but slower
 // than a dense fp32 matmul, so the layers then keep their dense weights instead.
 bool exact_linear_vectorized() {
@@ -3179,6 +3261,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak_seconds", &peak_seconds,
         "wall seconds for every thread to run iterations x 12 independent instructions of a kind",
         py::arg("kind"), py::arg("iterations"), py::call_guard<py::gil_scoped_release>());
+  m.def("dense_rows", &dense_rows,
+        "x @ W^T (+ bias) for 1 to 4 bf16 rows and a dense bf16 W (AVX512-BF16)",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dense_rows_supported", &dense_rows_supported);
   m.def("exact_linear_vectorized", &exact_linear_vectorized,
         "whether quant_linear's fp32 path (activation_bits 32) is vectorized in this build");
   m.def("integer_linear_vectorized", &integer_linear_vectorized,

@@ -318,6 +318,28 @@ def test_qk_norm_in_place_equals_the_split_path(gemma):
     assert torch.equal(qkv, expected)
 
 
+@pytest.mark.skipif(ops is None or not ops.dense_rows_supported(),
+                    reason="dense_rows needs AVX512-BF16 (this CPU or build lacks it)")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_dense_rows_matches_torch_linear(rows):
+    """dense_rows (a few bf16 rows times dense bf16 weights) against F.linear and the fp64
+    product: no further from the exact product than torch's bf16 linear (both sum in fp32 and
+    round once), K with a 32-element tail past the 64-element steps, with and without bias."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 608, generator=generator).bfloat16()
+    w = torch.randn(200, 608, generator=generator).bfloat16()
+    bias = torch.randn(200, generator=generator).bfloat16()
+    for b in (None, bias):
+        ours, theirs = ops.dense_rows(x, w, b), F.linear(x, w, b)
+        exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+        ulp = exact.abs().clamp_min(1e-3) * 2**-8  # a bf16 ulp (2^-7 relative) covers both
+        assert ((ours.double() - exact).abs() <= ulp).all()
+        assert ((theirs.double() - exact).abs() <= ulp).all()
+        assert (ours != theirs).float().mean() < 0.01
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        ops.dense_rows(torch.randn(5, 608).bfloat16(), w)
+
+
 def test_silu_and_mul_equals_torch():
     """bf16: torch's bits; fp32: within a few ulps (the kernel's exp is a polynomial). Gates
     far past exp's range (+-200) included."""

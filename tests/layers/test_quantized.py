@@ -160,6 +160,11 @@ def test_merged_layer_packs_same_type_shards_and_falls_back_on_mixed():
     _loaded_linear(mixed, {"q": q, "k": kk, "v": v8}, torch.bfloat16)
     assert mixed.packed is None
     assert torch.equal(mixed.weight, dense.to(torch.bfloat16))  # dequantized, then rounded
+    ops = cpu_ops.load()
+    if ops is not None and ops.dense_rows_supported():  # up to 4 rows on the weights' stream
+        assert mixed.dense_rows_kernels is ops
+        assert torch.equal(mixed(x), ops.dense_rows(x, mixed.weight))
+        assert torch.equal(mixed(many[:5]), F.linear(many[:5], mixed.weight))
     q_out, _, _ = mixed.forward_split(x)
     packed_q = four_bit.forward_split(x)[0].float()  # (int8 activations where the kernels serve)
     assert (q_out.float() - packed_q).norm() < 2e-2 * packed_q.norm()
