@@ -144,8 +144,9 @@ class Linear(nn.Module):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or (self.weight is not None and x.shape[0] > TORCH_INT4_MAX_ROWS):
             rows_kernels = self.dense_rows_kernels
-            if (rows_kernels is not None and x.dim() == 2 and x.shape[0] <= DENSE_ROWS_MAX
-                    and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+            if (rows_kernels is not None and x.dim() == 2 and 0 < x.shape[0] <= DENSE_ROWS_MAX
+                    and x.dtype == self.weight.dtype == torch.bfloat16
+                    and x.device.type == "cpu"):
                 y = rows_kernels.dense_rows(x, self.weight, bias)
             else:
                 y = F.linear(x, self.weight, bias)
