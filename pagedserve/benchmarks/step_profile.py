@@ -16,7 +16,7 @@ this profile is CPU-only):
 A module's own time excludes its hooked children: the attention block's is the rotary kernel and
 the q/k/v split around it, the MLP's is its activation. A hooked gate_up layer runs as two steps
 (its product, then the activation) where unhooked modules and the decoder stack compute silu(gate)
-* up in one pass on the codes (MergedLinear.silu_and_mul): the two rows time that pair of steps.
+* up in one pass on the codes (MergedLinear.gated_activation): the two rows time that pair of steps.
 
 A step of at most FUSED_MAX_TOKENS tokens normally runs its decoder layers in one compiled call
 (models/decoder_stack.py), which hooks cannot see into: the timed steps run the modules instead

@@ -44,11 +44,14 @@ def test_tiny_gemma3_greedy_matches_transformers(tiny_gemma3, cpu_kernels, monke
     if cpu_kernels:
         if ops is None:
             pytest.skip("the compiled CPU kernels are unavailable")
+        def counting(name, kernel):
+            def counted(*args, **kwargs):
+                calls[name] += 1
+                return kernel(*args, **kwargs)
+            return counted
+
         for name in GEMMA_KERNELS:
-            def counted(*args, _name=name, _kernel=getattr(ops, name), **kwargs):
-                calls[_name] += 1
-                return _kernel(*args, **kwargs)
-            monkeypatch.setattr(ops, name, counted)
+            monkeypatch.setattr(ops, name, counting(name, getattr(ops, name)))
     path, hf_model = tiny_gemma3
     assert max(map(len, PROMPTS)) > GEMMA3_SLIDING_WINDOW
     llm = LLM(model=path, dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=128,
