@@ -35,6 +35,8 @@ KERNEL_MAX_TOKENS = 32
 """Sequences with at most this many query tokens in a step (decodes and short chunks, e.g.
 speculative verification) go to the compiled kernel; it reads each key once per token, so longer
 prefill chunks stay on the flash kernel or the blocked matmuls."""
+PREFILL_KERNEL_HEAD_DIMS = (64, 128, 256)
+"""The head sizes the bf16 flash prefill kernel takes (csrc/cpu_ops.cpp prefill_attention)."""
 
 
 class CpuKernelAttentionBackend(AttentionBackend):
@@ -136,7 +138,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
         as its tiles are laid out), or fp32 on a plain fp32 cache with head_dim a multiple of 8
         (AVX2 + FMA)."""
         if q.dtype == torch.bfloat16:
-            return q.shape[-1] in (64, 128, 256) and self.kernels.prefill_attention_supported()
+            return (q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
+                    and self.kernels.prefill_attention_supported())
         return (
             q.dtype == torch.float32 and len(kv_cache) == 2 and kv_cache[0].dtype == torch.float32
             and q.shape[-1] % 8 == 0 and self.kernels.prefill_attention_f32_supported()

@@ -38,6 +38,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
             dtype: torch.dtype, block_size: int, iterations: int, seed: int = 0) -> list[dict]:
     """One record per (tokens, context): median ms of "kernel" and "torch", the max difference."""
+    from pagedserve.attention.cpu_kernel_backend import PREFILL_KERNEL_HEAD_DIMS
     from pagedserve.attention.metadata import build_attention_metadata
     from pagedserve.attention.paged import gathered_prefill_attention
     from pagedserve.kernels import cpu_ops
@@ -47,7 +48,7 @@ def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: i
         raise RuntimeError("the compiled CPU kernels are unavailable (see `pagedserve serve`'s "
                            "log for why)")
     served = (ops.prefill_attention_f32_supported() if dtype == torch.float32
-              else ops.prefill_attention_supported() and head_dim in (64, 128))
+              else ops.prefill_attention_supported() and head_dim in PREFILL_KERNEL_HEAD_DIMS)
     if not served:
         raise RuntimeError(f"this build's prefill kernel does not take {dtype} at head_dim "
                            f"{head_dim} on this CPU")
