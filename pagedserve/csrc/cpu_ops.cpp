@@ -2714,6 +2714,92 @@ void flash_rows(const c10::BFloat16* const* q, const int64_t* visible, const uin
   }
 }
 
+// flash_rows for wide heads (DC >= 16: head dim 256, Gemma 3), where kRows rows' accumulators
+// (16 registers each) cannot all live in registers: they live in an fp32 buffer in L1, and the
+// value product walks the dims outermost, 16 at a time, with the step's kRows x 16 accumulators
+// in registers over its 16 key pairs (each value tile loaded once for every row, each row's
+// probability pair broadcast from L1). The scores, softmax and rounding are flash_rows'.
+constexpr int kFlashWideRows = 4;  // Gemma-3-270M's query heads per KV head: one token's rows
+
+template <int DC, int kRows>
+void flash_rows_wide(const c10::BFloat16* const* q, const int64_t* visible, const uint32_t* kt,
+                     const uint32_t* vt, float scale, c10::BFloat16* const* out) {
+  constexpr int64_t kD = DC * 16, kPairs = kD / 2, kStep = kKeyTile * kTilesPerStep;
+  const uint32_t* qw[kRows];
+  alignas(64) float acc[kRows][kD];
+  __m512 total[kRows];
+  float running_max[kRows];
+  int64_t most = 0;
+  for (int r = 0; r < kRows; ++r) {
+    qw[r] = reinterpret_cast<const uint32_t*>(q[r]);
+    std::fill(acc[r], acc[r] + kD, 0.f);
+    running_max[r] = -std::numeric_limits<float>::infinity();
+    total[r] = _mm512_setzero_ps();
+    most = std::max(most, visible[r]);
+  }
+  const float log2_scale = scale * 1.4426950408889634f;
+  const __m512 log2_scale_v = _mm512_set1_ps(log2_scale);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t first = 0; first < most; first += kStep) {
+    const int64_t tiles = std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
+    const uint32_t* kt_step = kt + (first / kKeyTile) * kPairs * kKeyTile;
+    __m512 s[kRows][kTilesPerStep];
+    for (int r = 0; r < kRows; ++r)
+      for (int j = 0; j < kTilesPerStep; ++j) s[r][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kPairs; ++p) {
+      __m512bh qp[kRows];
+      for (int r = 0; r < kRows; ++r) qp[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r][p]));
+      for (int j = 0; j < kTilesPerStep; ++j) {
+        if (j >= tiles) break;
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kt_step + (j * kPairs + p) * kKeyTile);
+        for (int r = 0; r < kRows; ++r) s[r][j] = _mm512_dpbf16_ps(s[r][j], k, qp[r]);
+      }
+    }
+    const uint32_t* vt_step = vt + (first / 2) * kD;
+    alignas(64) uint32_t pairs[kRows][kStep / 2];
+    for (int r = 0; r < kRows; ++r) {
+      __mmask16 keep[kTilesPerStep];
+      __m512 step_max = minus_inf;
+      for (int j = 0; j < tiles; ++j) {
+        const int64_t valid = std::clamp<int64_t>(visible[r] - first - j * kKeyTile, 0, kKeyTile);
+        keep[j] = static_cast<__mmask16>((1u << valid) - 1);
+        step_max = _mm512_mask_max_ps(step_max, keep[j], step_max, s[r][j]);
+      }
+      if (_mm512_cmp_ps_mask(step_max, _mm512_set1_ps(running_max[r]), _CMP_GT_OQ)) {
+        const float new_max = _mm512_reduce_max_ps(step_max);
+        const __m512 alpha_v = _mm512_set1_ps(std::exp2((running_max[r] - new_max) * log2_scale));
+        running_max[r] = new_max;
+        total[r] = _mm512_mul_ps(total[r], alpha_v);
+        for (int64_t i = 0; i < kD; i += 16)
+          _mm512_store_ps(acc[r] + i, _mm512_mul_ps(_mm512_load_ps(acc[r] + i), alpha_v));
+      }
+      const __m512 max_term = _mm512_set1_ps(running_max[r] * log2_scale);
+      for (int j = 0; j < tiles; ++j) {
+        const __m512 probs = exp2_512(keep[j], _mm512_fmsub_ps(s[r][j], log2_scale_v, max_term));
+        total[r] = _mm512_add_ps(total[r], probs);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r] + 8 * j),
+                           (__m256i)_mm512_cvtneps_pbh(probs));
+      }
+    }
+    const int64_t key_pairs = std::min<int64_t>(kStep, most - first + 1) / 2;
+    for (int c = 0; c < DC; ++c) {
+      __m512 a[kRows];
+      for (int r = 0; r < kRows; ++r) a[r] = _mm512_load_ps(acc[r] + 16 * c);
+      for (int64_t kp = 0; kp < key_pairs; ++kp) {
+        const __m512bh v = (__m512bh)_mm512_loadu_si512(vt_step + kp * kD + 16 * c);
+        for (int r = 0; r < kRows; ++r)
+          a[r] = _mm512_dpbf16_ps(a[r], v, (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][kp])));
+      }
+      for (int r = 0; r < kRows; ++r) _mm512_store_ps(acc[r] + 16 * c, a[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total[r]));
+    for (int c = 0; c < DC; ++c)
+      store16(out[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), inv));
+  }
+}
+
 // The bf16 rows at `count` slots of one KV head (kD values each): a bf16 cache's own rows, or a
 // quantized cache's rows dequantized into buf (kKeyTile * kD values).
 template <int64_t kD>
@@ -2783,10 +2869,30 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
     }
   });
   // Rows (token, head) of a KV head in blocks of 8 tokens; a later token sees more keys, so the
-  // blocks are dealt from both ends to give the threads equal work. Head dim 256 (Gemma 3) takes
-  // one row per pass: its 16 accumulators per row leave no registers for a second.
+  // blocks are dealt from both ends to give the threads equal work. Head dim 256 (Gemma 3) runs
+  // flash_rows_wide, 4 rows per pass.
   constexpr int64_t kTokenBlock = 8;
-  constexpr int kRowsPerPass = DC >= 16 ? 1 : kFlashRows;
+  constexpr bool kWide = DC >= 16;
+  constexpr int kRowsPerPass = kWide ? kFlashWideRows : kFlashRows;
+  // n (1..kRowsPerPass) rows at qs, visible, outs
+  auto run_rows = [&](int n, const c10::BFloat16* const* qs, const int64_t* visible,
+                      const uint32_t* kt_head, const uint32_t* vt_head, c10::BFloat16* const* outs) {
+    if constexpr (kWide) {
+      switch (n) {
+        case 4: return flash_rows_wide<DC, 4>(qs, visible, kt_head, vt_head, scale, outs);
+        case 3: return flash_rows_wide<DC, 3>(qs, visible, kt_head, vt_head, scale, outs);
+        case 2: return flash_rows_wide<DC, 2>(qs, visible, kt_head, vt_head, scale, outs);
+        default: return flash_rows_wide<DC, 1>(qs, visible, kt_head, vt_head, scale, outs);
+      }
+    } else {
+      switch (n) {
+        case 3: return flash_rows<DC, 3>(qs, visible, kt_head, vt_head, scale, outs);
+        case 2: return flash_rows<DC, 2>(qs, visible, kt_head, vt_head, scale, outs);
+        default: return flash_rows<DC, 1>(qs, visible, kt_head, vt_head, scale, outs);
+      }
+    }
+  };
+  static_assert(kFlashRows == 3 && kFlashWideRows == 4, "run_rows takes 1..kRowsPerPass rows");
   const int64_t token_blocks = (tokens + kTokenBlock - 1) / kTokenBlock;
   at::parallel_for(0, kv_heads * token_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
@@ -2794,27 +2900,24 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
       const int64_t block = k % 2 == 0 ? k / 2 : token_blocks - 1 - k / 2;
       const uint32_t* kt_head = kt.data() + h * tiles * kKeyTile * kPairs;
       const uint32_t* vt_head = vt.data() + h * tiles * kKeyTile * kPairs;
-      const c10::BFloat16* qs[kFlashRows];
-      c10::BFloat16* outs[kFlashRows];
-      int64_t visible[kFlashRows];
+      const c10::BFloat16* qs[kRowsPerPass];
+      c10::BFloat16* outs[kRowsPerPass];
+      int64_t visible[kRowsPerPass];
       int n = 0;
       const int64_t last = std::min(tokens, (block + 1) * kTokenBlock);
       for (int64_t t = block * kTokenBlock; t < last; ++t) {
-        for (int64_t g = 0; g < group; ++g) {  // rows taken kFlashRows at a time
+        for (int64_t g = 0; g < group; ++g) {  // rows taken kRowsPerPass at a time
           const int64_t head = h * group + g;
           qs[n] = q + t * q_token_stride + head * kD;
           outs[n] = out + (t * heads + head) * kD;
           visible[n] = context_len + t + 1;
           if (++n == kRowsPerPass) {
-            flash_rows<DC, kRowsPerPass>(qs, visible, kt_head, vt_head, scale, outs);
+            run_rows(n, qs, visible, kt_head, vt_head, outs);
             n = 0;
           }
         }
       }
-      if constexpr (kRowsPerPass > 1) {
-        if (n == 2) flash_rows<DC, 2>(qs, visible, kt_head, vt_head, scale, outs);
-        if (n == 1) flash_rows<DC, 1>(qs, visible, kt_head, vt_head, scale, outs);
-      }
+      if (n > 0) run_rows(n, qs, visible, kt_head, vt_head, outs);
     }
   });
 }
