@@ -769,7 +769,7 @@ inline void add_outliers(const OutlierChannels& outliers, const float* x, int ro
 //                       where it cancels (a strongly negative gate).
 enum class Gate { kNone, kSilu, kGeluTanh };
 
-constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi), as torch's M_SQRT2 * M_2_SQRTPI / 2
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi): torch's M_SQRT2 * M_2_SQRTPI / 2
 constexpr float kGeluKappa = 0.044715f;
 
 inline float gelu_tanh(float g) {
@@ -865,8 +865,9 @@ void gate_mul_row(Gate gating, const T* gate, const T* up, T* out, int64_t f) {
 // are a gate projection and the rest an up projection (a merged gate_up layer, n / 2 a multiple
 // of 16), and y (rows, n / 2) = act(gate) * up. Each gate and up value is rounded to T as the
 // plain product stores it and gate_mul_row then runs as silu_and_mul (gelu_tanh_and_mul) does,
-// so the gated form is bitwise that activation of the plain product; but the (rows, n) product is never written out and
-// read back (at a 2,000-token prefill, 12 MB per layer for SmolLM2), and the work is one pass.
+// so the gated form is bitwise that activation of the plain product; but the (rows, n) product
+// is never written out and read back (at a 2,000-token prefill, 12 MB per layer for SmolLM2),
+// and the work is one pass.
 template <int kBits, typename Q, typename S, typename T>
 void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, const uint8_t* codes,
                        const S* scales, const S* mins, const T* bias, int64_t n, T* y,
@@ -2741,14 +2742,16 @@ void flash_rows_wide(const c10::BFloat16* const* q, const int64_t* visible, cons
   const __m512 log2_scale_v = _mm512_set1_ps(log2_scale);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t first = 0; first < most; first += kStep) {
-    const int64_t tiles = std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
+    const int64_t tiles =
+        std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
     const uint32_t* kt_step = kt + (first / kKeyTile) * kPairs * kKeyTile;
     __m512 s[kRows][kTilesPerStep];
     for (int r = 0; r < kRows; ++r)
       for (int j = 0; j < kTilesPerStep; ++j) s[r][j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < kPairs; ++p) {
       __m512bh qp[kRows];
-      for (int r = 0; r < kRows; ++r) qp[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r][p]));
+      for (int r = 0; r < kRows; ++r)
+        qp[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r][p]));
       for (int j = 0; j < kTilesPerStep; ++j) {
         if (j >= tiles) break;
         const __m512bh k = (__m512bh)_mm512_loadu_si512(kt_step + (j * kPairs + p) * kKeyTile);
@@ -2788,7 +2791,8 @@ void flash_rows_wide(const c10::BFloat16* const* q, const int64_t* visible, cons
       for (int64_t kp = 0; kp < key_pairs; ++kp) {
         const __m512bh v = (__m512bh)_mm512_loadu_si512(vt_step + kp * kD + 16 * c);
         for (int r = 0; r < kRows; ++r)
-          a[r] = _mm512_dpbf16_ps(a[r], v, (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][kp])));
+          a[r] = _mm512_dpbf16_ps(
+              a[r], v, (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][kp])));
       }
       for (int r = 0; r < kRows; ++r) _mm512_store_ps(acc[r] + 16 * c, a[r]);
     }
@@ -2876,7 +2880,8 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
   constexpr int kRowsPerPass = kWide ? kFlashWideRows : kFlashRows;
   // n (1..kRowsPerPass) rows at qs, visible, outs
   auto run_rows = [&](int n, const c10::BFloat16* const* qs, const int64_t* visible,
-                      const uint32_t* kt_head, const uint32_t* vt_head, c10::BFloat16* const* outs) {
+                      const uint32_t* kt_head, const uint32_t* vt_head,
+                      c10::BFloat16* const* outs) {
     if constexpr (kWide) {
       switch (n) {
         case 4: return flash_rows_wide<DC, 4>(qs, visible, kt_head, vt_head, scale, outs);

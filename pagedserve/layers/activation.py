@@ -22,7 +22,7 @@ def silu_and_mul(gate_up: torch.Tensor, kernels: ModuleType | None) -> torch.Ten
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor, kernels: ModuleType | None) -> torch.Tensor:
     """(T, 2F) -> (T, F): gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh gating). kernels: as
-    silu_and_mul's (the kernel computes gelu_tanh as gate * sigmoid(2u), csrc/cpu_ops.cpp)."""
+    silu_and_mul's (the kernel follows torch's steps with its own tanh, csrc/cpu_ops.cpp Gate)."""
     if (kernels is not None and cpu_ops.serves(gate_up) and gate_up.dim() == 2
             and gate_up.is_contiguous()):
         return kernels.gelu_tanh_and_mul(gate_up)

@@ -13,7 +13,8 @@ What differs from llama.py, and where it lives:
   head         tied; logits soft-capped when final_logit_softcapping is set
 The compiled decoder stack (models/decoder_stack.py) implements only Llama's block: it never runs
 here; the layers take the compiled kernels one by one (Gemma's norms, QK-norm in place, the gated
-GELU in one pass on the codes, rotary in place). Weights keep HF names and HF's zero-centred norm weights (gguf_loader.py converts).
+GELU in one pass on the codes, rotary in place). Weights keep HF names and HF's zero-centred norm
+weights (gguf_loader.py converts).
 """
 
 from __future__ import annotations
