@@ -37,7 +37,8 @@ class RMSNorm(nn.Module):
         """Returns (norm(x + residual), x + residual); residual=None means x is the residual."""
         ops = self.kernels
         if ops is not None and cpu_ops.serves(x) and x.dim() == 2 and x.is_contiguous():
-            # one call instead of five ops; the same roundings (csrc/cpu_ops.cpp add_rms_norm)
+            # one call instead of five ops, rounding where they round; its sum of squares adds
+            # in another order than torch's (csrc/cpu_ops.cpp add_rms_norm, tests/kernels)
             normed, residual = ops.add_rms_norm(x, residual, self.weight, self.eps,
                                                 self.unit_offset)
             return normed, residual

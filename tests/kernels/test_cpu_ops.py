@@ -237,9 +237,15 @@ def test_lookup_on_the_codes_is_the_dense_embedding(qtype):
 
 
 def test_add_rms_norm_equals_the_module_path():
+    """bf16 at SmolLM2's width, fixed inputs. The kernel adds the squares in another order than
+    torch's fp32 reduction (the fp32 norms differ in an ulp in about a fifth of rows); a bf16
+    value flips only where it sits within that ulp of a rounding edge: none here, nor in 1,600
+    random rows at this width, but a few per 10^4 values at some other widths (256, 896)."""
+    generator = torch.Generator().manual_seed(0)
     norm = RMSNorm(576, 1e-5, ops)
-    norm.weight.data = torch.randn(576).bfloat16()
-    x, residual = torch.randn(7, 576).bfloat16(), torch.randn(7, 576).bfloat16()
+    norm.weight.data = torch.randn(576, generator=generator).bfloat16()
+    x = torch.randn(7, 576, generator=generator).bfloat16()
+    residual = torch.randn(7, 576, generator=generator).bfloat16()
     fused = norm(x, residual), norm(x)
     norm.kernels = None  # the torch path
     plain = norm(x, residual), norm(x)
