@@ -2632,6 +2632,70 @@ inline uint32_t bf16_pair(const c10::BFloat16* lo, const c10::BFloat16* hi) {
 constexpr int64_t kTilesPerStep = 2;
 constexpr int kFlashRows = 3;
 
+// One softmax step of kStep keys (`tiles` 16-key tiles of them) for kRows query rows, the two
+// phases flash_rows and flash_rows_wide share:
+//   flash_scores: s[r][j] = q_r . k for the tiles' keys (unscaled), kt_step the step's tiles;
+//   flash_weights: each row's running max, and where it moves rescale(r, alpha) of the row's
+//     sums so far (total[r] here, the accumulators by the caller), then the softmax weights of
+//     the keys row r sees, added to total[r] and rounded to bf16 pairs in pairs[r].
+template <int DC, int kRows>
+inline void flash_scores(const uint32_t* const* qw, const uint32_t* kt_step, int64_t tiles,
+                         __m512 (&s)[kRows][kTilesPerStep]) {
+  constexpr int64_t kPairs = DC * 8;
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kTilesPerStep; ++j) s[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kPairs; ++p) {
+    __m512bh qp[kRows];
+    for (int r = 0; r < kRows; ++r)
+      qp[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r][p]));
+    for (int j = 0; j < kTilesPerStep; ++j) {
+      if (j >= tiles) break;
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kt_step + (j * kPairs + p) * kKeyTile);
+      for (int r = 0; r < kRows; ++r) s[r][j] = _mm512_dpbf16_ps(s[r][j], k, qp[r]);
+    }
+  }
+}
+
+template <int kRows, typename Rescale>
+inline void flash_weights(const __m512 (&s)[kRows][kTilesPerStep], const int64_t* visible,
+                          int64_t first, int64_t tiles, float log2_scale, float* running_max,
+                          __m512* total, uint32_t (&pairs)[kRows][kKeyTile * kTilesPerStep / 2],
+                          Rescale&& rescale) {
+  const __m512 log2_scale_v = _mm512_set1_ps(log2_scale);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < kRows; ++r) {
+    __mmask16 keep[kTilesPerStep];
+    __m512 step_max = minus_inf;
+    for (int j = 0; j < tiles; ++j) {
+      const int64_t valid = std::clamp<int64_t>(visible[r] - first - j * kKeyTile, 0, kKeyTile);
+      keep[j] = static_cast<__mmask16>((1u << valid) - 1);
+      step_max = _mm512_mask_max_ps(step_max, keep[j], step_max, s[r][j]);
+    }
+    // The running max (of the unscaled scores) moves only when this step holds a larger score
+    // (most steps do not, once the first keys are seen): only then are the sums so far rescaled
+    // (by 1 they would not change). Every row sees key 0, so its running max is finite from
+    // the first step on.
+    if (_mm512_cmp_ps_mask(step_max, _mm512_set1_ps(running_max[r]), _CMP_GT_OQ)) {
+      const float new_max = _mm512_reduce_max_ps(step_max);
+      const __m512 alpha_v = _mm512_set1_ps(std::exp2((running_max[r] - new_max) * log2_scale));
+      running_max[r] = new_max;  // alpha is 0 at the first step (from -inf)
+      total[r] = _mm512_mul_ps(total[r], alpha_v);
+      rescale(r, alpha_v);
+    }
+    // softmax weight exp(scale * (s - max)) = 2^(s * log2_scale - max * log2_scale)
+    const __m512 max_term = _mm512_set1_ps(running_max[r] * log2_scale);
+    for (int j = 0; j < tiles; ++j) {
+      const __m512 probs = exp2_512(keep[j], _mm512_fmsub_ps(s[r][j], log2_scale_v, max_term));
+      total[r] = _mm512_add_ps(total[r], probs);
+      // rounded to nearest even, as bf16_bits rounds (a weight below 2^-126, which it would
+      // keep, is flushed to 0 here: nothing a bf16 sum of weights near 1 could hold)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r] + 8 * j),
+                         (__m256i)_mm512_cvtneps_pbh(probs));
+    }
+  }
+}
+
+// The rows' accumulators in registers (DC per row): head dims 64 and 128.
 template <int DC, int kRows>
 void flash_rows(const c10::BFloat16* const* q, const int64_t* visible, const uint32_t* kt,
                 const uint32_t* vt, float scale, c10::BFloat16* const* out) {
@@ -2649,56 +2713,19 @@ void flash_rows(const c10::BFloat16* const* q, const int64_t* visible, const uin
     most = std::max(most, visible[r]);
   }
   const float log2_scale = scale * 1.4426950408889634f;
-  const __m512 log2_scale_v = _mm512_set1_ps(log2_scale);
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t first = 0; first < most; first += kStep) {
-    const int64_t tiles = std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
-    const uint32_t* kt_step = kt + (first / kKeyTile) * kPairs * kKeyTile;
+    const int64_t tiles =
+        std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
     __m512 s[kRows][kTilesPerStep];
-    for (int r = 0; r < kRows; ++r)
-      for (int j = 0; j < kTilesPerStep; ++j) s[r][j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < kPairs; ++p) {
-      __m512bh qp[kRows];
-      for (int r = 0; r < kRows; ++r) qp[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r][p]));
-      for (int j = 0; j < kTilesPerStep; ++j) {
-        if (j >= tiles) break;
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(kt_step + (j * kPairs + p) * kKeyTile);
-        for (int r = 0; r < kRows; ++r) s[r][j] = _mm512_dpbf16_ps(s[r][j], k, qp[r]);
-      }
-    }
-    const uint32_t* vt_step = vt + (first / 2) * kD;
+    flash_scores<DC, kRows>(qw, kt + (first / kKeyTile) * kPairs * kKeyTile, tiles, s);
     alignas(64) uint32_t pairs[kRows][kStep / 2];  // per row: (p[2kp], p[2kp+1]) as bf16 pairs
-    for (int r = 0; r < kRows; ++r) {
-      __mmask16 keep[kTilesPerStep];
-      __m512 step_max = minus_inf;
-      for (int j = 0; j < tiles; ++j) {
-        const int64_t valid = std::clamp<int64_t>(visible[r] - first - j * kKeyTile, 0, kKeyTile);
-        keep[j] = static_cast<__mmask16>((1u << valid) - 1);
-        step_max = _mm512_mask_max_ps(step_max, keep[j], step_max, s[r][j]);
-      }
-      // The running max (of the unscaled scores) moves only when this step holds a larger score
-      // (most steps do not, once the first keys are seen): only then are the sums so far rescaled
-      // (by 1 they would not change). Every row sees key 0, so its running max is finite from
-      // the first step on.
-      if (_mm512_cmp_ps_mask(step_max, _mm512_set1_ps(running_max[r]), _CMP_GT_OQ)) {
-        const float new_max = _mm512_reduce_max_ps(step_max);
-        const __m512 alpha_v = _mm512_set1_ps(std::exp2((running_max[r] - new_max) * log2_scale));
-        running_max[r] = new_max;  // alpha is 0 at the first step (from -inf)
-        total[r] = _mm512_mul_ps(total[r], alpha_v);
-        for (int c = 0; c < DC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], alpha_v);
-      }
-      // softmax weight exp(scale * (s - max)) = 2^(s * log2_scale - max * log2_scale)
-      const __m512 max_term = _mm512_set1_ps(running_max[r] * log2_scale);
-      for (int j = 0; j < tiles; ++j) {
-        const __m512 probs = exp2_512(keep[j], _mm512_fmsub_ps(s[r][j], log2_scale_v, max_term));
-        total[r] = _mm512_add_ps(total[r], probs);
-        // rounded to nearest even, as bf16_bits rounds (a weight below 2^-126, which it would
-        // keep, is flushed to 0 here: nothing a bf16 sum of weights near 1 could hold)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r] + 8 * j),
-                           (__m256i)_mm512_cvtneps_pbh(probs));
-      }
-    }
+    flash_weights<kRows>(s, visible, first, tiles, log2_scale, running_max, total, pairs,
+                         [&](int r, __m512 alpha_v) {
+                           for (int c = 0; c < DC; ++c)
+                             acc[r][c] = _mm512_mul_ps(acc[r][c], alpha_v);
+                         });
     // p . v for all rows together: each value tile is loaded once for every row.
+    const uint32_t* vt_step = vt + (first / 2) * kD;
     const int64_t key_pairs = std::min<int64_t>(kStep, most - first + 1) / 2;
     for (int64_t kp = 0; kp < key_pairs; ++kp) {
       __m512bh v[DC];
@@ -2739,51 +2766,19 @@ void flash_rows_wide(const c10::BFloat16* const* q, const int64_t* visible, cons
     most = std::max(most, visible[r]);
   }
   const float log2_scale = scale * 1.4426950408889634f;
-  const __m512 log2_scale_v = _mm512_set1_ps(log2_scale);
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t first = 0; first < most; first += kStep) {
     const int64_t tiles =
         std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
-    const uint32_t* kt_step = kt + (first / kKeyTile) * kPairs * kKeyTile;
     __m512 s[kRows][kTilesPerStep];
-    for (int r = 0; r < kRows; ++r)
-      for (int j = 0; j < kTilesPerStep; ++j) s[r][j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < kPairs; ++p) {
-      __m512bh qp[kRows];
-      for (int r = 0; r < kRows; ++r)
-        qp[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r][p]));
-      for (int j = 0; j < kTilesPerStep; ++j) {
-        if (j >= tiles) break;
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(kt_step + (j * kPairs + p) * kKeyTile);
-        for (int r = 0; r < kRows; ++r) s[r][j] = _mm512_dpbf16_ps(s[r][j], k, qp[r]);
-      }
-    }
-    const uint32_t* vt_step = vt + (first / 2) * kD;
+    flash_scores<DC, kRows>(qw, kt + (first / kKeyTile) * kPairs * kKeyTile, tiles, s);
     alignas(64) uint32_t pairs[kRows][kStep / 2];
-    for (int r = 0; r < kRows; ++r) {
-      __mmask16 keep[kTilesPerStep];
-      __m512 step_max = minus_inf;
-      for (int j = 0; j < tiles; ++j) {
-        const int64_t valid = std::clamp<int64_t>(visible[r] - first - j * kKeyTile, 0, kKeyTile);
-        keep[j] = static_cast<__mmask16>((1u << valid) - 1);
-        step_max = _mm512_mask_max_ps(step_max, keep[j], step_max, s[r][j]);
-      }
-      if (_mm512_cmp_ps_mask(step_max, _mm512_set1_ps(running_max[r]), _CMP_GT_OQ)) {
-        const float new_max = _mm512_reduce_max_ps(step_max);
-        const __m512 alpha_v = _mm512_set1_ps(std::exp2((running_max[r] - new_max) * log2_scale));
-        running_max[r] = new_max;
-        total[r] = _mm512_mul_ps(total[r], alpha_v);
-        for (int64_t i = 0; i < kD; i += 16)
-          _mm512_store_ps(acc[r] + i, _mm512_mul_ps(_mm512_load_ps(acc[r] + i), alpha_v));
-      }
-      const __m512 max_term = _mm512_set1_ps(running_max[r] * log2_scale);
-      for (int j = 0; j < tiles; ++j) {
-        const __m512 probs = exp2_512(keep[j], _mm512_fmsub_ps(s[r][j], log2_scale_v, max_term));
-        total[r] = _mm512_add_ps(total[r], probs);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r] + 8 * j),
-                           (__m256i)_mm512_cvtneps_pbh(probs));
-      }
-    }
+    flash_weights<kRows>(s, visible, first, tiles, log2_scale, running_max, total, pairs,
+                         [&](int r, __m512 alpha_v) {
+                           for (int64_t i = 0; i < kD; i += 16)
+                             _mm512_store_ps(acc[r] + i,
+                                             _mm512_mul_ps(_mm512_load_ps(acc[r] + i), alpha_v));
+                         });
+    const uint32_t* vt_step = vt + (first / 2) * kD;
     const int64_t key_pairs = std::min<int64_t>(kStep, most - first + 1) / 2;
     for (int c = 0; c < DC; ++c) {
       __m512 a[kRows];
