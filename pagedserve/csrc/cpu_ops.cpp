@@ -247,6 +247,10 @@ inline __m256 exp256(__m256 x) {
 //   codes[block][group][chunk][column 0..15][4 bytes]     (64 bytes per chunk)
 //   4-bit: 4 chunks per group; chunk i's byte e holds element 4i + e in its low nibble and
 //          element 16 + 4i + e in its high one. 8-bit: 8 chunks, chunk j byte e = element 4j + e.
+//   5-bit: the 4-bit chunks of the codes' low 4 bits, then a fifth chunk of their fifth bits as
+//          8 little-endian 64-bit words: word j's bit 4 * column + e is element 4j + e's, one
+//          bit per byte of the register that holds elements 4j..4j+3 (a mask for it). A group
+//          is kBits chunks whatever the width.
 //   scales, mins: [block][group][column], fp32 or (where exact) fp16.
 // pagedserve/layers/quantized.py (`vnni_layout`) builds it; N is padded to a multiple of 16.
 
@@ -361,12 +365,15 @@ QuantizedRows<Q> quantize_rows(const T* x, int64_t rows, int64_t k,
 // The code of element `e` (0..31) of column `col` in one group of a column block.
 template <int kBits>
 inline int32_t code_at(const uint8_t* group_codes, int col, int e) {
-  if constexpr (kBits == 4) {
+  if constexpr (kBits == 8) {
+    return group_codes[(e / 4) * 64 + col * 4 + e % 4];
+  } else {
     const int half = e / 16, i = (e % 16) / 4;
     const uint8_t byte = group_codes[i * 64 + col * 4 + e % 4];
-    return half ? (byte >> 4) : (byte & 0x0F);
-  } else {
-    return group_codes[(e / 4) * 64 + col * 4 + e % 4];
+    const int32_t low = half ? (byte >> 4) : (byte & 0x0F);
+    if constexpr (kBits == 4) return low;
+    const int bit = 4 * col + e % 4;  // of word e / 4 of the fifth chunk
+    return low | (((group_codes[4 * 64 + 8 * (e / 4) + bit / 8] >> (bit % 8)) & 1) << 4);
   }
 }
 
@@ -378,14 +385,22 @@ template <int kBits, typename Q>
 inline void unpack_group(const uint8_t* cg, __m512i* w) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512i quads[8];  // quads[j]: elements 4j..4j+3 as bytes
-  if constexpr (kBits == 4) {
+  if constexpr (kBits == 8) {
+    for (int j = 0; j < 8; ++j) quads[j] = _mm512_loadu_si512(cg + j * 64);
+  } else {
     for (int i = 0; i < 4; ++i) {
       const __m512i raw = _mm512_loadu_si512(cg + i * 64);
       quads[i] = _mm512_and_si512(raw, nibble);
       quads[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
     }
-  } else {
-    for (int j = 0; j < 8; ++j) quads[j] = _mm512_loadu_si512(cg + j * 64);
+    if constexpr (kBits == 5) {  // word j of the fifth chunk: a mask of quads[j]'s bytes
+      const __m512i bit4 = _mm512_set1_epi8(0x10);
+      for (int j = 0; j < 8; ++j) {
+        uint64_t fifth;
+        std::memcpy(&fifth, cg + 4 * 64 + 8 * j, sizeof(fifth));
+        quads[j] = _mm512_mask_add_epi8(quads[j], _cvtu64_mask64(fifth), quads[j], bit4);
+      }
+    }
   }
   if constexpr (std::is_same_v<Q, int8_t>) {
     for (int j = 0; j < 8; ++j) w[j] = quads[j];
@@ -424,25 +439,46 @@ inline __m512i group_dot(const __m512i* w, const Q* xg) {
 // time. No sum saturates, so they equal the VNNI ones exactly:
 // - int8 x 4-bit codes: a pair is at most 2 * 15 * 127 = 3810 and all 16 of a group's pairs
 //   sum to at most 30480 < 32767, so they are added in int16 and widened once;
+// - int8 x 5-bit codes: a pair is at most 2 * 31 * 127 = 7874; each of the two int16 sums adds
+//   four pairs, at most 31496, and the two are widened before they are added;
 // - int8 x 8-bit codes (0..255 would saturate a pair): llama.cpp's sign trick on q = code - 128,
 //   |q| * (x * sign q) pairs are at most 2 * 128 * 127 = 32512; widened per chunk, and
 //   sum(code * x) = sum(q * x) + 128 * sum(x) restores the stored codes' sum;
 // - int16: codes zero-extended to words; a group's sum is at most 32 * 255 * 32767 < 2^31.
 
-// quads[j] (j = 0..7): elements 4j..4j+3 of the 8 columns (one 32-bit lane each), as bytes.
-// cg: the group's codes, offset to the half's 32 bytes of each 64-byte chunk.
+// Byte b of the result: 0xFF where bit b of `bits` is set, else 0.
+inline __m256i bits_to_bytes(uint32_t bits) {
+  const __m256i byte_of_bit = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                 0x0303030303030303);
+  const __m256i bit_in_byte = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  const __m256i spread =
+      _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), byte_of_bit);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_in_byte), bit_in_byte);
+}
+
+// quads[j] (j = 0..7): elements 4j..4j+3 of the 8 columns 8h..8h+7 (one 32-bit lane each), as
+// bytes. cg: the group's codes.
 template <int kBits>
-inline void unpack_group_avx2(const uint8_t* cg, __m256i* quads) {
-  if constexpr (kBits == 4) {
+inline void unpack_group_avx2(const uint8_t* cg, int h, __m256i* quads) {
+  const uint8_t* half = cg + 32 * h;  // the half's 32 bytes of each 64-byte chunk
+  if constexpr (kBits == 8) {
+    for (int j = 0; j < 8; ++j)
+      quads[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + j * 64));
+  } else {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int i = 0; i < 4; ++i) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + i * 64));
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + i * 64));
       quads[i] = _mm256_and_si256(raw, nibble);
       quads[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
     }
-  } else {
-    for (int j = 0; j < 8; ++j)
-      quads[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + j * 64));
+    if constexpr (kBits == 5) {  // the half's 32 bits of word j of the fifth chunk
+      const __m256i bit4 = _mm256_set1_epi8(0x10);
+      for (int j = 0; j < 8; ++j) {
+        uint32_t fifth;
+        std::memcpy(&fifth, cg + 4 * 64 + 8 * j + 4 * h, sizeof(fifth));
+        quads[j] = _mm256_or_si256(quads[j], _mm256_and_si256(bits_to_bytes(fifth), bit4));
+      }
+    }
   }
 }
 
@@ -462,11 +498,14 @@ inline __m256i group_dot_avx2(const __m256i* quads, const Q* xg, int32_t qsum) {
   const int32_t* x32 = reinterpret_cast<const int32_t*>(xg);  // 4 int8 or 2 int16 per lane
   const __m256i ones16 = _mm256_set1_epi16(1);
   if constexpr (std::is_same_v<Q, int8_t>) {
-    if constexpr (kBits == 4) {
+    if constexpr (kBits != 8) {
       __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
       for (int j = 0; j < 8; ++j)
         pairs[j % 2] = _mm256_add_epi16(
             pairs[j % 2], _mm256_maddubs_epi16(quads[j], _mm256_set1_epi32(x32[j])));
+      if constexpr (kBits == 5)  // each of the two int16 sums fits, not their sum
+        return _mm256_add_epi32(_mm256_madd_epi16(pairs[0], ones16),
+                                _mm256_madd_epi16(pairs[1], ones16));
       return _mm256_madd_epi16(_mm256_add_epi16(pairs[0], pairs[1]), ones16);
     } else {
       const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -517,7 +556,7 @@ template <int kBits, typename Q, int kRows, typename S>
 inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
                        int64_t groups, const Q* xq, const float* dx, const float* xsum,
                        const int32_t* qsum, int64_t k, float* out /* [kRows][16] */) {
-  constexpr int kChunks = kBits == 4 ? 4 : 8;
+  constexpr int kChunks = kBits;  // 64-byte chunks per group
 #ifdef PAGEDSERVE_VNNI
   __m512 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
@@ -550,7 +589,7 @@ inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
         for (int line = 0; line < kChunks; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
       }
       __m256i quads[8];
-      unpack_group_avx2<kBits>(codes + g * kChunks * 64 + 32 * h, quads);
+      unpack_group_avx2<kBits>(codes + g * kChunks * 64, h, quads);
       const __m256 scale = load8_scales(scales + g * 16 + 8 * h);
       const __m256 minimum = load8_scales(mins + g * 16 + 8 * h);
       for (int r = 0; r < kRows; ++r) {
@@ -631,11 +670,11 @@ constexpr int64_t kPanelTile = 4;     // rows per pass over the panel
 
 template <int kBits>
 void widen_panel(const uint8_t* codes, int64_t groups, __m256i* panel) {
-  constexpr int kChunks = kBits == 4 ? 4 : 8;
+  constexpr int kChunks = kBits;  // 64-byte chunks per group
   for (int64_t g = 0; g < groups; ++g) {
     for (int h = 0; h < 2; ++h) {
       __m256i quads[8];
-      unpack_group_avx2<kBits>(codes + g * kChunks * 64 + 32 * h, quads);
+      unpack_group_avx2<kBits>(codes + g * kChunks * 64, h, quads);
       __m256i* pg = panel + g * 2 * kGroup;
       for (int j = 0; j < 8; ++j) {
         __m256i pairs[2];
@@ -874,7 +913,7 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
                        const OutlierChannels& outliers, Gate gating = Gate::kNone) {
   const int64_t groups = k / kGroup;
   const int64_t blocks = (n + 15) / 16;
-  const int64_t block_code_bytes = groups * (kBits == 4 ? 4 : 8) * 64;
+  const int64_t block_code_bytes = groups * kBits * 64;
   // gated: work item b is gate block b and up block b + half, whose rows meet in gate_mul_row
   const bool gated = gating != Gate::kNone;
   const int64_t half = blocks / 2, items = gated ? half : blocks;
@@ -947,25 +986,37 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
   }
 }
 
+// Calls run(kBits, scales, mins) with the layout's bit width as a constant and its scales typed.
+template <typename Run>
+void with_layout_types(int64_t bits, const torch::Tensor& scales, const torch::Tensor& mins,
+                       Run run) {
+  auto typed = [&](auto* s, auto* m) {
+    if (bits == 4) {
+      run(std::integral_constant<int, 4>{}, s, m);
+    } else if (bits == 5) {
+      run(std::integral_constant<int, 5>{}, s, m);
+    } else {
+      run(std::integral_constant<int, 8>{}, s, m);
+    }
+  };
+  if (scales.scalar_type() == torch::kFloat32) {
+    typed(scales.data_ptr<float>(), mins.data_ptr<float>());
+  } else {
+    typed(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
+  }
+}
+
 template <typename Q, typename T>
 void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
                            const uint8_t* codes, const torch::Tensor& scales,
                            const torch::Tensor& mins, const T* bias, int64_t n, T* y,
                            const OutlierChannels& outliers, Gate gating) {
   const QuantizedRows<Q> xr = quantize_rows<Q>(x, rows, k, outliers);
-  auto run = [&](auto* s, auto* m) {
+  with_layout_types(bits, scales, mins, [&](auto width, auto* s, auto* m) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
-    if (bits == 4) {
-      quant_linear_impl<4, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers, gating);
-    } else {
-      quant_linear_impl<8, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y, outliers, gating);
-    }
-  };
-  if (scales.scalar_type() == torch::kFloat32) {
-    run(scales.data_ptr<float>(), mins.data_ptr<float>());
-  } else {
-    run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
-  }
+    quant_linear_impl<decltype(width)::value, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y,
+                                                       outliers, gating);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1006,7 +1057,8 @@ constexpr int64_t kExactSliceGroups = 8;  // a 32 KB panel
 // Element (within its group) of the j-th weight vector of a dequantized group.
 template <int kBits>
 constexpr int exact_element(int j) {
-  if constexpr (kBits == 4) {  // chunk j / 8: its byte e = (j % 8) / 2, low then high nibble
+  // chunk j / 8: its byte e = (j % 8) / 2, low then high nibble (5-bit: the same order)
+  if constexpr (kBits != 8) {
     const int i = j / 8, e = (j % 8) / 2;
     return (j % 2) ? 16 + 4 * i + e : 4 * i + e;
   } else {
@@ -1026,7 +1078,17 @@ constexpr int exact_part(int j) {
 template <int kBits, typename S>
 inline void dequantize_group(const uint8_t* cg, const S* scales, const S* mins, float* out,
                              int64_t stride) {
-  constexpr int kChunks = kBits == 4 ? 4 : 8;
+  constexpr int kChunks = kBits;  // 64-byte chunks per group
+  if constexpr (kBits == 5) {  // code by code (the exact mode's 5-bit layers are rare)
+    for (int j = 0; j < kExactVectors; ++j) {
+      const int element = exact_element<kBits>(j);
+      for (int col = 0; col < 16; ++col)
+        out[j * stride + col] = std::fma(scale_at(scales, col),
+                                         static_cast<float>(code_at<kBits>(cg, col, element)),
+                                         scale_at(mins, col));
+    }
+    return;
+  }
 #ifdef PAGEDSERVE_AVX512
   const __m512 scale = load_scales(scales), minimum = load_scales(mins);
   const __m512 code_values = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f,
@@ -1204,7 +1266,7 @@ void exact_linear_impl(const float* x, int64_t rows, int64_t k, const uint8_t* c
                        const S* scales, const S* mins, const T* bias, int64_t n, T* y) {
   const int64_t groups = k / kGroup;
   const int64_t blocks = (n + 15) / 16;
-  const int64_t group_code_bytes = (kBits == 4 ? 4 : 8) * 64;
+  const int64_t group_code_bytes = kBits * 64;
   // Tile t of kExactTile rows, interleaved: element e of its row r at t * kExactTile * k +
   // e * tile_rows + r. (One row is its own interleaving.)
   std::vector<float> interleaved;
@@ -1277,19 +1339,10 @@ template <typename T>
 void exact_linear_dispatch(const float* x, int64_t rows, int64_t k, int64_t bits,
                            const uint8_t* codes, const torch::Tensor& scales,
                            const torch::Tensor& mins, const T* bias, int64_t n, T* y) {
-  auto run = [&](auto* s, auto* m) {
+  with_layout_types(bits, scales, mins, [&](auto width, auto* s, auto* m) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
-    if (bits == 4) {
-      exact_linear_impl<4, S, T>(x, rows, k, codes, s, m, bias, n, y);
-    } else {
-      exact_linear_impl<8, S, T>(x, rows, k, codes, s, m, bias, n, y);
-    }
-  };
-  if (scales.scalar_type() == torch::kFloat32) {
-    run(scales.data_ptr<float>(), mins.data_ptr<float>());
-  } else {
-    run(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
-  }
+    exact_linear_impl<decltype(width)::value, S, T>(x, rows, k, codes, s, m, bias, n, y);
+  });
 }
 
 // Whether activation_bits 16 and 8 run vectorized here (VNNI, or AVX2's dot products); the scalar
@@ -1397,7 +1450,7 @@ bool exact_linear_vectorized() {
 // Weights of an [n, k] matrix in the layout above, as quant_linear and dequantize_codes take them.
 void check_layout(const torch::Tensor& codes, const torch::Tensor& scales,
                   const torch::Tensor& mins, int64_t n, int64_t k, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
               "weights must be contiguous");
   TORCH_CHECK((scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kHalf) &&
@@ -1405,7 +1458,7 @@ void check_layout(const torch::Tensor& codes, const torch::Tensor& scales,
               "scales and mins must both be fp32 or both fp16");
   TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
   const int64_t blocks = (n + 15) / 16, groups = k / kGroup;
-  TORCH_CHECK(codes.numel() == blocks * groups * (bits == 4 ? 4 : 8) * 64, "codes do not match");
+  TORCH_CHECK(codes.numel() == blocks * groups * bits * 64, "codes do not match");
   TORCH_CHECK(scales.numel() == blocks * groups * 16 && mins.numel() == blocks * groups * 16,
               "scales / mins do not match");
 }
@@ -1504,16 +1557,17 @@ torch::Tensor quant_linear_gated(torch::Tensor x, torch::Tensor codes, torch::Te
 // copy a bf16 layer keeps for large batches). The Python references are vnni_layout and
 // GGUFQuantWeight.dequantize (layers/quantized.py); tests/kernels compare them.
 
-// codes: [N, K] uint8, one code per byte (0..15, or Q8_0's codes + 128) -> the layout's code
-// bytes [block][group][chunk][16 columns][4 bytes], N padded to whole blocks with zero codes.
+// codes: [N, K] uint8, one code per byte (0..15, 0..31, or Q8_0's codes + 128) -> the layout's
+// code bytes [block][group][chunk][16 columns][4 bytes] (5-bit: and the fifth chunk's words),
+// N padded to whole blocks with zero codes.
 torch::Tensor pack_codes(torch::Tensor codes, int64_t bits) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8, "codes: (N, K) uint8");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
   const torch::Tensor c = codes.contiguous();
   const int64_t n = c.size(0), k = c.size(1);
   TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
   const int64_t blocks = (n + 15) / 16, groups = k / kGroup;
-  const int64_t group_bytes = (bits == 4 ? 4 : 8) * 64;
+  const int64_t group_bytes = bits * 64;
   torch::Tensor packed = torch::zeros({blocks * groups * group_bytes}, c.options());
   const uint8_t* src = c.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
@@ -1524,10 +1578,19 @@ torch::Tensor pack_codes(torch::Tensor codes, int64_t bits) {
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* codes_g = row + g * kGroup;
           uint8_t* out = dst + (b * groups + g) * group_bytes + col * 4;
-          if (bits == 4) {  // chunk i, byte e: element 4i + e low, 16 + 4i + e high
+          if (bits != 8) {  // chunk i, byte e: element 4i + e low, 16 + 4i + e high
             for (int i = 0; i < 4; ++i)
               for (int e = 0; e < 4; ++e)
-                out[i * 64 + e] = (codes_g[4 * i + e] & 0x0F) | (codes_g[16 + 4 * i + e] << 4);
+                out[i * 64 + e] =
+                    (codes_g[4 * i + e] & 0x0F) | ((codes_g[16 + 4 * i + e] & 0x0F) << 4);
+            // 5-bit: word j's bit 4 * col + e of the fifth chunk is element 4j + e's fifth bit
+            // (the block's columns share its bytes: one thread writes them all)
+            uint8_t* fifth = dst + (b * groups + g) * group_bytes + 4 * 64;
+            for (int j = 0; bits == 5 && j < 8; ++j)
+              for (int e = 0; e < 4; ++e) {
+                const int bit = 4 * col + e;
+                fifth[8 * j + bit / 8] |= ((codes_g[4 * j + e] >> 4) & 1) << (bit % 8);
+              }
           } else {  // chunk j, byte e: element 4j + e
             for (int j = 0; j < 8; ++j)
               for (int e = 0; e < 4; ++e) out[j * 64 + e] = codes_g[4 * j + e];
@@ -1544,13 +1607,19 @@ template <int kBits, typename T>
 inline void dequantize_column_group(const uint8_t* cg, int col, float scale, float minimum,
                                     T* dst) {
   // The column's 4-byte lane of each chunk, in element order (4-bit: element j in the low nibble
-  // of byte j, element 16 + j in its high nibble; 8-bit: element j in byte j).
-  uint8_t bytes[kBits == 4 ? 16 : 32];
-  for (int chunk = 0; chunk < (kBits == 4 ? 4 : 8); ++chunk)
-    std::memcpy(bytes + chunk * 4, cg + chunk * 64 + col * 4, 4);
+  // of byte j, element 16 + j in its high nibble; 8-bit: element j in byte j). 5-bit codes are
+  // put together as 8-bit ones.
+  constexpr bool kNibbles = kBits == 4;
+  uint8_t bytes[kNibbles ? 16 : 32];
+  if constexpr (kBits == 5) {
+    for (int e = 0; e < kGroup; ++e) bytes[e] = static_cast<uint8_t>(code_at<kBits>(cg, col, e));
+  } else {
+    for (int chunk = 0; chunk < kBits; ++chunk)
+      std::memcpy(bytes + chunk * 4, cg + chunk * 64 + col * 4, 4);
+  }
 #ifdef PAGEDSERVE_AVX512
   const __m512 s = _mm512_set1_ps(scale), m = _mm512_set1_ps(minimum);
-  if constexpr (kBits == 4) {
+  if constexpr (kNibbles) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
     const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
     const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
@@ -1565,9 +1634,9 @@ inline void dequantize_column_group(const uint8_t* cg, int col, float scale, flo
   }
 #elif defined(PAGEDSERVE_AVX2)
   const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(minimum);
-  for (int q = 0; q < (kBits == 4 ? 2 : 4); ++q) {  // 8 bytes at a time
+  for (int q = 0; q < (kNibbles ? 2 : 4); ++q) {  // 8 bytes at a time
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * q)));
-    if constexpr (kBits == 4) {
+    if constexpr (kNibbles) {
       const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
       const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
       store8(dst + 8 * q, _mm256_fmadd_ps(s, low, m));
@@ -1577,9 +1646,9 @@ inline void dequantize_column_group(const uint8_t* cg, int col, float scale, flo
     }
   }
 #else
-  for (int j = 0; j < (kBits == 4 ? 16 : 32); ++j) {
+  for (int j = 0; j < (kNibbles ? 16 : 32); ++j) {
     // scale * code is exact (see the exact path above): one rounding, as in the reference.
-    if constexpr (kBits == 4) {
+    if constexpr (kNibbles) {
       dst[j] = static_cast<T>(std::fma(scale, static_cast<float>(bytes[j] & 0x0F), minimum));
       dst[16 + j] = static_cast<T>(std::fma(scale, static_cast<float>(bytes[j] >> 4), minimum));
     } else {
@@ -1593,7 +1662,7 @@ inline void dequantize_column_group(const uint8_t* cg, int col, float scale, flo
 template <int kBits, typename S, typename T>
 inline void dequantize_row(const uint8_t* codes, const S* scales, const S* mins, int64_t groups,
                            int64_t row, T* dst) {
-  const int64_t group_bytes = (kBits == 4 ? 4 : 8) * 64;
+  const int64_t group_bytes = kBits * 64;
   const int64_t b = row / 16;
   const int col = static_cast<int>(row % 16);
   for (int64_t g = 0; g < groups; ++g) {
@@ -1611,24 +1680,6 @@ void dequantize_codes_impl(const uint8_t* codes, const S* scales, const S* mins,
     for (int64_t row = begin; row < end; ++row)
       dequantize_row<kBits, S, T>(codes, scales, mins, groups, row, out + row * k);
   });
-}
-
-// Calls run(kBits, scales, mins) with the layout's bit width as a constant and its scales typed.
-template <typename Run>
-void with_layout_types(int64_t bits, const torch::Tensor& scales, const torch::Tensor& mins,
-                       Run run) {
-  auto typed = [&](auto* s, auto* m) {
-    if (bits == 4) {
-      run(std::integral_constant<int, 4>{}, s, m);
-    } else {
-      run(std::integral_constant<int, 8>{}, s, m);
-    }
-  };
-  if (scales.scalar_type() == torch::kFloat32) {
-    typed(scales.data_ptr<float>(), mins.data_ptr<float>());
-  } else {
-    typed(scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>());
-  }
 }
 
 // The layout's weights as dense rows written into out ([N, K] fp32 or bf16, contiguous; bf16
@@ -1693,7 +1744,7 @@ torch::Tensor dequantize_linear(torch::Tensor x, torch::Tensor codes, torch::Ten
   TORCH_CHECK(x.dim() == 2, "x must be (rows, K)");
   const int64_t k = x.size(1);
   check_layout(codes, scales, mins, n, k, bits);
-  const int64_t groups = k / kGroup, group_bytes = (bits == 4 ? 4 : 8) * 64;
+  const int64_t groups = k / kGroup, group_bytes = bits * 64;
   const int64_t panel_rows = std::max<int64_t>(16, kPanelWeights / k / 16 * 16);
   if (panel_rows >= n) {
     torch::Tensor w = torch::empty({n, k}, x.options());

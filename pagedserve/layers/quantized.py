@@ -5,17 +5,21 @@ Every GGUF type kept packed here is, per 32-element group along K, `value = scal
   Q4_1  code 0..15, fp16 scale d and min m    (d * q + m)
   Q4_K  code 0..15 in 256-element super-blocks; each 32-group has 6-bit sc, m:
         scale = d * sc, min = -dmin * m        (fp32 products of an fp16 and a 6-bit int: exact)
+  Q5_0  code 0..31, min = -16 * scale         (d * (q - 16))
+  Q5_1  code 0..31, fp16 scale d and min m    (d * q + m)
+  Q5_K  code 0..31, Q4_K's super-blocks and 6-bit sc, m
   Q8_0  code -128..127, min = 0                (d * q)
-  Q5_0  held as Q8_0: code q - 16 in -16..15, min = 0 (llama.cpp: d * (q - 16), q 5 bits; the
-        same fp16 d per 32 elements, so the values are exactly Q8_0 ones)
 `GGUFQuantWeight` holds codes, fp32 scales and mins in that form: `dequantize()` reproduces
-`gguf.quants.dequantize` bit for bit (tests/layers/test_quantized.py).
+`gguf.quants.dequantize` bit for bit (tests/layers/test_quantized.py). The compiled kernel holds
+each width as its bits: 4, 5 or 8 per code (`vnni_layout`).
 
 torch's CPU int4 kernel `_weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)` computes
 `(code - 8) * scale + zero` per group, so zero = min + 8 * scale. It wants scales_and_zeros in the
 activation dtype: bf16 (its fp32 path exists but is ~30x slower than a dense fp32 matmul). Q8_0
-does not fit 4 bits; it is split exactly into two int4 halves along K (`q8_0_as_int4`):
-  q + 128 = 16 * hi + lo   =>   d * q = (16 d) * hi - 128 d  +  d * lo
+and the 5-bit types do not fit 4 bits; they are split exactly into two int4 halves along K
+(`as_int4_halves`):
+  q + 128 = 16 * hi + lo   =>   d * q = (16 d) * hi  +  d * lo - 128 d
+  (5-bit: code = 16 * hi + lo  =>  scale * code + min = (16 scale) * hi  +  scale * lo + min)
 so `x @ W^T = [x, x] @ [W_hi, W_lo]^T`: one int4 matmul over 2K, one byte per weight.
 """
 
@@ -40,8 +44,9 @@ The CPU layout, for reference: the uint8 [N, K/2] result is a [N/64, K, 32] byte
 
 GQT = gguf.GGMLQuantizationType
 INT4_TYPES = (GQT.Q4_0, GQT.Q4_1, GQT.Q4_K)
-PACKABLE_TYPES = (*INT4_TYPES, GQT.Q8_0, GQT.Q5_0)
-"""GGUF types kept in the codes form; Q5_0 becomes Q8_0 (see the module doc)."""
+INT5_TYPES = (GQT.Q5_0, GQT.Q5_1, GQT.Q5_K)
+PACKABLE_TYPES = (*INT4_TYPES, *INT5_TYPES, GQT.Q8_0)
+"""GGUF types kept in the codes form (see the module doc)."""
 
 
 @dataclass
@@ -49,9 +54,9 @@ class GGUFQuantWeight:
     """One GGUF matrix [N, K] as codes plus per-32-group fp32 scale and min (see module doc)."""
 
     qtype: GQT
-    """The form: a 4-bit type or Q8_0 (never Q5_0, which is held as Q8_0)."""
+    """The form: a 4-bit or 5-bit type, or Q8_0."""
     codes: torch.Tensor
-    """uint8 [N, K] in 0..15 for the 4-bit types; int8 [N, K] for Q8_0."""
+    """uint8 [N, K] in 0..15 (0..31) for the 4-bit (5-bit) types; int8 [N, K] for Q8_0."""
     scales: torch.Tensor
     """fp32 [N, K / 32]."""
     mins: torch.Tensor
@@ -64,6 +69,25 @@ class GGUFQuantWeight:
     @property
     def is_int4(self) -> bool:
         return self.qtype in INT4_TYPES
+
+    @property
+    def bits(self) -> int:
+        """Bits per code: 4, 5 or 8."""
+        return 4 if self.is_int4 else 5 if self.qtype in INT5_TYPES else 8
+
+    def widened(self, bits: int) -> GGUFQuantWeight | None:
+        """The same values in a form of `bits` >= self.bits, or None where that form cannot
+        hold them exactly: 4-bit codes are 5-bit ones as they are; Q8_0 (no min) holds the
+        symmetric types, Q4_0 and Q5_0 (min = -2^(bits - 1) * scale), as code - 2^(bits - 1)."""
+        if bits == self.bits:
+            return self
+        if bits == 5 and self.bits == 4:
+            return GGUFQuantWeight(GQT.Q5_1, self.codes, self.scales, self.mins)
+        offset = 1 << (self.bits - 1)
+        if bits != 8 or not torch.equal(self.mins, -offset * self.scales):
+            return None
+        codes = (self.codes.to(torch.int16) - offset).to(torch.int8)
+        return GGUFQuantWeight(GQT.Q8_0, codes, self.scales, torch.zeros_like(self.scales))
 
     def select_rows(self, index: torch.Tensor) -> GGUFQuantWeight:
         """Rows `index` of the matrix (used to undo llama.cpp's q/k row permutation).
@@ -128,14 +152,26 @@ def decode_gguf_blocks(data: np.ndarray, qtype: GQT, shape: tuple[int, int]) -> 
         scales = fp16_field(0)
         codes = blocks[:, 2:].contiguous().view(torch.int8)
         mins = torch.zeros_like(scales)
-    elif qtype == GQT.Q5_0:  # [d][4 bytes: element j's 5th bit is bit j][16 bytes as Q4_0's]
-        form, scales = GQT.Q8_0, fp16_field(0)
-        high_bits = blocks[:, 2:6].contiguous().view(torch.int32)
+    elif qtype in (GQT.Q5_0, GQT.Q5_1):
+        # [d][m (Q5_1 only)][4 bytes: element j's 5th bit is bit j][16 bytes as Q4_0's]
+        scales = fp16_field(0)
+        if qtype == GQT.Q5_1:
+            mins, fields = fp16_field(2), 4
+        else:
+            mins, fields = -16.0 * scales, 2
+        high_bits = blocks[:, fields:fields + 4].contiguous().view(torch.int32)
         high = (high_bits >> torch.arange(32, dtype=torch.int32)) & 1  # [blocks, 32]
-        qs = blocks[:, 6:]
-        low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-        codes = (low.to(torch.int8) | (high.to(torch.int8) << 4)) - 16
-        mins = torch.zeros_like(scales)
+        qs = blocks[:, fields + 4:]
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1) | (high.to(torch.uint8) << 4)
+    elif qtype == GQT.Q5_K:
+        # [d][dmin][12 bytes of 6-bit sc/m][32 bytes: element i of 32-group j has its 5th bit
+        # in bit j of byte i][128 bytes as Q4_K's]
+        scales, mins = _k_quant_scales_and_mins(blocks, fp16_field)
+        high = (blocks[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)
+                .view(1, 8, 1)) & 1  # [blocks, 8 groups, 32]
+        qs = blocks[:, 48:].reshape(-1, 4, 1, 32)
+        low = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32)
+        codes = (low | (high << 4)).reshape(-1, 256)
     elif qtype in (GQT.Q4_0, GQT.Q4_1):  # [d][m (Q4_1 only)][16 bytes: lo nibbles 0..15, hi 16..31]
         scales = fp16_field(0)
         if qtype == GQT.Q4_1:
@@ -144,27 +180,38 @@ def decode_gguf_blocks(data: np.ndarray, qtype: GQT, shape: tuple[int, int]) -> 
             mins, qs = -8.0 * scales, blocks[:, 2:]
         codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
     else:  # Q4_K: [d][dmin][12 bytes of 6-bit sc/m][128 bytes: per 64 elements lo 32, hi 32]
-        d, dmin = fp16_field(0).unsqueeze(-1), fp16_field(2).unsqueeze(-1)
-        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].numpy())
-        scales = d * torch.from_numpy(sc.astype(np.float32))  # [blocks, 8]
-        mins = -(dmin * torch.from_numpy(m.astype(np.float32)))
+        scales, mins = _k_quant_scales_and_mins(blocks, fp16_field)
         qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
         codes = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 256)
     return GGUFQuantWeight(form, codes.reshape(n, k), scales.reshape(n, k // GROUP_SIZE),
                            mins.reshape(n, k // GROUP_SIZE))
 
 
-def q8_0_as_int4(weight: GGUFQuantWeight) -> GGUFQuantWeight:
-    """Q8_0 [N, K] -> an exactly equal 4-bit matrix [N, 2K] to be multiplied by [x, x]."""
-    assert weight.qtype == GQT.Q8_0
-    shifted = weight.codes.to(torch.int16) + 128  # 0..255 = 16 * hi + lo
-    hi, lo = (shifted >> 4).to(torch.uint8), (shifted & 0x0F).to(torch.uint8)
+def _k_quant_scales_and_mins(blocks: torch.Tensor, fp16_field) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's per-32-group scale d * sc and min -dmin * m, [blocks, 8] fp32."""
+    d, dmin = fp16_field(0).unsqueeze(-1), fp16_field(2).unsqueeze(-1)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].numpy())
+    return (d * torch.from_numpy(sc.astype(np.float32)),
+            -(dmin * torch.from_numpy(m.astype(np.float32))))
+
+
+def as_int4_halves(weight: GGUFQuantWeight) -> GGUFQuantWeight:
+    """A 5-bit or Q8_0 matrix [N, K] -> an exactly equal 4-bit matrix [N, 2K] to be multiplied
+    by [x, x] (see the module doc; a 5-bit code's hi is 0 or 1)."""
+    assert weight.bits in (5, 8), weight.qtype
     d = weight.scales
+    if weight.qtype == GQT.Q8_0:
+        unsigned, base = weight.codes.to(torch.int16) + 128, -128.0 * d  # 0..255
+    else:
+        unsigned, base = weight.codes, weight.mins
+    hi, lo = (unsigned >> 4).to(torch.uint8), (unsigned & 0x0F).to(torch.uint8)
     return GGUFQuantWeight(
         GQT.Q4_1,
         torch.cat([hi, lo], dim=1),
         torch.cat([16.0 * d, d], dim=1),
-        torch.cat([-128.0 * d, torch.zeros_like(d)], dim=1),
+        # the min on the low half: torch's kernel adds zero = min + 8 * scale, exact for the
+        # high half's (128 * scale) and rounded once, as for a 4-bit type, for the low half's
+        torch.cat([torch.zeros_like(d), base], dim=1),
     )
 
 
@@ -175,15 +222,16 @@ def int4_scales_and_zeros(scales: torch.Tensor, mins: torch.Tensor, dtype: torch
 
 
 class Int4PackedWeight(torch.nn.Module):
-    """y = x @ W^T with W in torch's CPU int4 packed format; for Q8_0, W is the 2K split."""
+    """y = x @ W^T with W in torch's CPU int4 packed format; for Q8_0 and the 5-bit types, W is
+    the 2K split."""
 
     holds_packed_weights = True  # observability/memory.py counts its tensors as packed
 
     def __init__(self, weight: GGUFQuantWeight, dtype: torch.dtype) -> None:
         super().__init__()
-        self.duplicate_input = weight.qtype == GQT.Q8_0
+        self.duplicate_input = weight.bits != 4
         if self.duplicate_input:
-            weight = q8_0_as_int4(weight)
+            weight = as_int4_halves(weight)
         assert weight.is_int4, weight.qtype
         self.out_features, packed_in = weight.shape
         self.register_buffer(
@@ -284,14 +332,14 @@ def vnni_layout(weight: GGUFQuantWeight, ops=None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Codes, scales, mins and bits in the compiled kernel's layout (csrc/cpu_ops.cpp,
     quant_linear): 16 output columns per block, each 32-bit lane one column's 4 consecutive
-    codes; scales and mins in fp16 where that is exact, else fp32. N is padded to a multiple of
-    16 with zero columns. Q8_0 codes are stored + 128 as unsigned bytes with min = -128 * scale
-    (exact: the shift cancels in the kernel). ops: the compiled kernels, which lay the codes out
-    in one pass (`pack_codes`); None: by torch's reshapes, the reference."""
+    codes (5-bit: their low 4 bits, and a fifth chunk of fifth bits); scales and mins in fp16
+    where that is exact, else fp32. N is padded to a multiple of 16 with zero columns. Q8_0
+    codes are stored + 128 as unsigned bytes with min = -128 * scale (exact: the shift cancels
+    in the kernel). ops: the compiled kernels, which lay the codes out in one pass
+    (`pack_codes`); None: by torch's reshapes, the reference."""
     n, k = weight.shape
     groups, blocks = k // GROUP_SIZE, -(-n // 16)
-    bits = 4 if weight.is_int4 else 8
-    assert bits == 4 or weight.qtype == GQT.Q8_0, weight.qtype
+    bits = weight.bits
     codes, scales, mins = weight.codes, weight.scales.float(), weight.mins.float()
     if bits == 8:
         codes = (codes.to(torch.int16) + 128).to(torch.uint8)
@@ -304,13 +352,20 @@ def vnni_layout(weight: GGUFQuantWeight, ops=None
     else:
         codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
         grouped = codes.view(blocks, 16, groups, GROUP_SIZE)  # [block, column, group, element]
-        if bits == 4:  # chunk i: element 4i + e in the low nibble, 16 + 4i + e in the high one
-            low = grouped[..., :16].reshape(blocks, 16, groups, 4, 4)
-            high = grouped[..., 16:].reshape(blocks, 16, groups, 4, 4)
+        if bits != 8:  # chunk i: element 4i + e in the low nibble, 16 + 4i + e in the high one
+            low = grouped[..., :16].reshape(blocks, 16, groups, 4, 4) & 0x0F
+            high = grouped[..., 16:].reshape(blocks, 16, groups, 4, 4) & 0x0F
             chunks = low | (high << 4)
         else:  # chunk j: element 4j + e
             chunks = grouped.reshape(blocks, 16, groups, 8, 4)
         packed = chunks.permute(0, 2, 3, 1, 4).contiguous()  # [block, group, chunk, col, byte]
+        if bits == 5:  # chunk 4: word j's bit 4 * column + e is element 4j + e's fifth bit
+            fifth = (grouped >> 4).reshape(blocks, 16, groups, 8, 4)  # [.., column, .., j, e]
+            fifth = fifth.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 8, 8, 8)
+            weights = 1 << torch.arange(8, dtype=torch.uint8)  # bit (4 column + e) % 8
+            fifth = (fifth * weights).sum(dim=-1, dtype=torch.uint8)  # [.., word j, byte]
+            packed = torch.cat([packed.view(blocks, groups, 4, 64),
+                                fifth.view(blocks, groups, 1, 64)], dim=2)
 
     def per_block(values: torch.Tensor) -> torch.Tensor:
         return values.view(blocks, 16, groups).transpose(1, 2).contiguous()
@@ -446,17 +501,22 @@ def packed_weight(weight: GGUFQuantWeight, dtype: torch.dtype, head: bool = Fals
 
 
 def concat_rows(weights: list[GGUFQuantWeight]) -> GGUFQuantWeight | None:
-    """Stack shards along N (merged QKV / gate-up); None unless all are 4-bit or all Q8_0.
+    """Stack shards along N (merged QKV / gate-up), in the widest shard's form; None where a
+    shard cannot be held exactly in it (`GGUFQuantWeight.widened`: an asymmetric 4- or 5-bit
+    shard beside a Q8_0 one).
 
-    The 4-bit types share one form (per-32 scale and min), so Q4_0, Q4_1 and Q4_K shards mix.
+    The 4-bit types share one form (per-32 scale and min), so Q4_0, Q4_1 and Q4_K shards mix;
+    so do the 5-bit types, and 4-bit shards join them as they are.
     """
-    if not (all(w.is_int4 for w in weights) or all(w.qtype == GQT.Q8_0 for w in weights)):
+    bits = max(w.bits for w in weights)
+    widened = [w.widened(bits) for w in weights]
+    if any(w is None for w in widened):
         return None
     return GGUFQuantWeight(
-        weights[0].qtype,
-        torch.cat([w.codes for w in weights]),
-        torch.cat([w.scales for w in weights]),
-        torch.cat([w.mins for w in weights]),
+        next(w.qtype for w in widened if w.bits == bits),
+        torch.cat([w.codes for w in widened]),
+        torch.cat([w.scales for w in widened]),
+        torch.cat([w.mins for w in widened]),
     )
 
 

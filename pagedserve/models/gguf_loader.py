@@ -94,9 +94,10 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | GGUFQuantWeight]]:
     """Yield (HF name, dequantized tensor of `dtype`) one at a time; matrices are [out, in].
 
-    keep_packed: yield Q4_0 / Q4_1 / Q4_K / Q8_0 / Q5_0 matrices as GGUFQuantWeight (codes with
-    fp32 scales and mins, exactly the values dequantization would give; Q5_0 in Q8_0's form),
-    stacked expert tensors as one such matrix per expert; other types stay dense.
+    keep_packed: yield the matrices of layers/quantized.py's PACKABLE_TYPES (Q4_0 / Q4_1 / Q4_K,
+    Q5_0 / Q5_1 / Q5_K, Q8_0) as GGUFQuantWeight (codes with fp32 scales and mins, exactly the
+    values dequantization would give), stacked expert tensors as one such matrix per expert;
+    other types stay dense.
     """
     header = read_gguf_header(path)
     config = _read_config(header, path)

@@ -154,7 +154,8 @@ def iter_model_weights(
 ) -> Iterator[tuple[str, torch.Tensor | GGUFQuantWeight]]:
     """Yield (HF parameter name, tensor of `dtype`) one at a time; no lm_head.weight when tied.
 
-    keep_packed: GGUF matrices of the types the int4 path supports come as GGUFQuantWeight.
+    keep_packed: GGUF matrices of the packable types (layers/quantized.py) come as
+    GGUFQuantWeight.
     """
     if not _is_hf_dir(path):
         yield from iter_gguf_weights(path, dtype, keep_packed)

@@ -49,7 +49,8 @@ def reference_quant_linear(x: torch.Tensor, weight, activation_bits: int) -> tor
 
 
 @pytest.mark.parametrize("activation_bits", [16, 8])
-@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q5_0, GQT.Q5_K, GQT.Q8_0],
+                         ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 21])
 def test_quant_linear_follows_its_arithmetic(qtype, rows, activation_bits):
     n, k = 40, 256  # 40: the last 16-column block is partly padding
@@ -78,7 +79,7 @@ def reference_outlier_quant_linear(x: torch.Tensor, weight, activation_bits: int
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation_bits", [16, 8])
-@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q4_K, GQT.Q5_K, GQT.Q8_0], ids=lambda t: t.name)
 def test_quant_linear_multiplies_outlier_channels_exactly(qtype, activation_bits, dtype):
     """A few huge input channels (as a layer's massive activations) ruin int8's resolution for
     the rest of their groups; taken out and multiplied exactly, the product follows its torch
@@ -144,7 +145,8 @@ def _exact_layer(qtype, n: int, k: int, seed: int) -> tuple[GroupQuantizedWeight
 
 # 40 columns: a pair of 16-column blocks and a padded one; K = 288: a slice of 8 groups and one
 # of 1; K = 576: SmolLM2's hidden size.
-@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q5_0, GQT.Q5_K, GQT.Q8_0],
+                         ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [288, 576])
 def test_fp32_quant_linear_is_the_dense_product(qtype, k):
     n = 40
@@ -163,7 +165,7 @@ def test_fp32_quant_linear_is_the_dense_product(qtype, k):
 # A row's bits may not depend on its batch. The batch sizes also choose the kernel: on AVX2 without
 # VNNI, int16 runs 8 or more rows on the widened-code panel and fewer by vnni_block.
 @pytest.mark.parametrize("activation_bits", [quantized.EXACT_ACTIVATION_BITS, 16, 8])
-@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q4_K, GQT.Q5_1, GQT.Q8_0], ids=lambda t: t.name)
 def test_quant_linear_gives_a_row_the_same_bits_in_any_batch(qtype, activation_bits):
     n, k = 48, 576
     weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k, seed=1), qtype, (n, k))
@@ -180,7 +182,8 @@ def test_fp32_quant_linear_takes_bf16_and_rounds_once():
     assert torch.equal(layer(x), layer(x.float()).bfloat16())
 
 
-@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q5_0, GQT.Q5_1, GQT.Q5_K,
+                                   GQT.Q8_0], ids=lambda t: t.name)
 def test_loading_kernels_equal_their_references(qtype):
     """pack_codes lays the codes out as vnni_layout's torch reshapes do; dequantize_codes gives
     back GGUFQuantWeight.dequantize's values: fp32 bit for bit, bf16 rounded once from them."""
@@ -198,7 +201,7 @@ def test_loading_kernels_equal_their_references(qtype):
         assert torch.equal(out, dense.to(dtype))
 
 
-@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q4_K, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q4_K, GQT.Q5_K, GQT.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [40, 3640], ids=["one panel", "two panels"])
 def test_dense_product_on_the_codes_is_the_dense_layer(qtype, n):
     """In bf16, dequantize_linear (weights dequantized per call, a panel of rows at a time)
@@ -224,7 +227,7 @@ def test_dense_product_on_the_codes_is_the_dense_layer(qtype, n):
                     assert ((ours - theirs).double().abs() <= bound).all()
 
 
-@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q5_0, GQT.Q8_0], ids=lambda t: t.name)
 def test_lookup_on_the_codes_is_the_dense_embedding(qtype):
     n, k = 40, 288
     weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k, seed=5), qtype, (n, k))
@@ -362,7 +365,7 @@ GATED = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 
 @pytest.mark.parametrize("activation", sorted(GATED))
 @pytest.mark.parametrize("activation_bits", [16, 8])
-@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q5_0, GQT.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_product_equals_the_two_steps(qtype, activation_bits, dtype, activation):
     """quant_linear_gated = silu_and_mul (gelu_tanh_and_mul) of quant_linear(...) bit for bit:

@@ -20,15 +20,15 @@ from pagedserve.layers.quantized import (
     GGUFQuantWeight,
     GroupQuantizedWeight,
     Int4PackedWeight,
+    as_int4_halves,
     decode_gguf_blocks,
     int4_scales_and_zeros,
-    q8_0_as_int4,
     quantize_weight,
 )
 
 # Byte offsets of the fp16 fields in each block: d (and m / dmin).
 _FP16_FIELDS = {GQT.Q4_0: (0,), GQT.Q4_1: (0, 2), GQT.Q4_K: (0, 2), GQT.Q8_0: (0,),
-                GQT.Q5_0: (0,)}
+                GQT.Q5_0: (0,), GQT.Q5_1: (0, 2), GQT.Q5_K: (0, 2)}
 
 
 def synthetic_blocks(qtype: GQT, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -45,7 +45,7 @@ def synthetic_blocks(qtype: GQT, n: int, k: int, seed: int = 0) -> np.ndarray:
 def _kernel_weight(packed: Int4PackedWeight, k: int) -> torch.Tensor:
     """W [N, K] read back through the int4 kernel itself: identity activations, fp32 scales."""
     x = torch.eye(k)
-    if packed.duplicate_input:  # Q8_0: [x, x] against [W_hi, W_lo]
+    if packed.duplicate_input:  # Q8_0, 5-bit: [x, x] against [W_hi, W_lo]
         x = x.repeat(1, 2)
     w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
         x, packed.packed, 32, packed.scales_and_zeros.float()
@@ -65,10 +65,11 @@ def test_codes_reproduce_gguf_dequantize_exactly(qtype):
     np.testing.assert_array_equal(weight.dequantize(rows).numpy(), reference[rows.numpy()])
 
 
-def test_q8_0_int4_split_is_exact():
+@pytest.mark.parametrize("qtype", [GQT.Q8_0, GQT.Q5_0, GQT.Q5_1, GQT.Q5_K], ids=lambda t: t.name)
+def test_int4_halves_are_exact(qtype):
     n, k = 16, 256
-    weight = decode_gguf_blocks(synthetic_blocks(GQT.Q8_0, n, k), GQT.Q8_0, (n, k))
-    split = q8_0_as_int4(weight).dequantize()  # [N, 2K]: W = W_hi + W_lo
+    weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k), qtype, (n, k))
+    split = as_int4_halves(weight).dequantize()  # [N, 2K]: W = W_hi + W_lo
     assert split.shape == (n, 2 * k)
     assert torch.equal(split[:, :k] + split[:, k:], weight.dequantize())
 
@@ -85,7 +86,7 @@ def test_packing_layout_through_the_kernel(qtype):
     weight = decode_gguf_blocks(data, qtype, (n, k))
     packed = Int4PackedWeight(weight, torch.bfloat16)
     # Rebuild the scales in fp32 (the module keeps them in bf16, the kernel's dtype).
-    source = q8_0_as_int4(weight) if weight.qtype == GQT.Q8_0 else weight
+    source = weight if weight.bits == 4 else as_int4_halves(weight)
     packed.scales_and_zeros = int4_scales_and_zeros(source.scales, source.mins, torch.float32)
     reference = torch.from_numpy(gguf.quants.dequantize(data, qtype))
     torch.testing.assert_close(_kernel_weight(packed, k), reference, rtol=1e-6, atol=1e-6)

@@ -66,7 +66,8 @@ def _write_gguf(path, architecture: str, hf_model,
 
 @pytest.mark.parametrize("architecture,qtype", [
     *((architecture, "Q8_0") for architecture in sorted(GGUF_ARCHITECTURES)),
-    ("qwen3", "Q5_0"),  # held as Q8_0 codes (layers/quantized.py)
+    ("qwen3", "Q5_0"),  # held as 5-bit codes (layers/quantized.py)
+    ("phi3", "Q5_1"),  # 5-bit codes in the decoder stack
 ])
 def test_gguf_greedy_matches_transformers(tmp_path, architecture, qtype, stack_calls):
     from pagedserve.engine.llm import LLM
