@@ -7,7 +7,7 @@ interleaved call by call with this one, and checks that both give the same bits:
 machine the ratio of the two is what can be trusted.
 
 The weights are a random matrix quantized to 4-bit groups of 32 (`--qtype int4`, GGUF's Q4_1
-form) or to 8-bit (`int8`, Q8_0); the activations are random rows. Each figure is the median
+form), 5-bit (`int5`, Q5_1) or 8-bit (`int8`, Q8_0); the activations are random rows. Each figure is the median
 of `--iterations` calls after one warm-up; modes run interleaved, so a slow spell of the
 machine lands on all of them. GFLOP/s counts 2 * rows * N * K.
 """
@@ -34,7 +34,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated NxK weight shapes (default: SmolLM2-135M's)")
     parser.add_argument("--rows", default="1,8,32,200,512,2048",
                         help="comma-separated row counts")
-    parser.add_argument("--qtype", choices=("int4", "int8"), default="int4")
+    parser.add_argument("--qtype", choices=("int4", "int5", "int8"), default="int4")
     parser.add_argument("--iterations", type=int, default=15)
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads (default: torch's)")

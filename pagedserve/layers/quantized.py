@@ -522,20 +522,23 @@ def concat_rows(weights: list[GGUFQuantWeight]) -> GGUFQuantWeight | None:
 
 def quantize_weight(weight: torch.Tensor, scheme: str) -> GGUFQuantWeight | None:
     """Quantize a dense [N, K] matrix on load, per 32-element group along K (the GGUF layout, so
-    the packed path is shared): "int4" asymmetric (scale = (max - min) / 15, min kept: Q4_1's
-    form), "int8" symmetric (scale = absmax / 127: Q8_0's form). None if K is not a multiple of
-    32. Each element is off by at most half its group's scale (tests/layers/test_quantized.py).
+    the packed path is shared): "int4" / "int5" asymmetric (scale = (max - min) / 15 or 31, min
+    kept: Q4_1's / Q5_1's form), "int8" symmetric (scale = absmax / 127: Q8_0's form). None if K
+    is not a multiple of 32. Each element is off by at most half its group's scale
+    (tests/layers/test_quantized.py).
     """
     n, k = weight.shape
     if k % GROUP_SIZE:
         return None
     groups = weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    if scheme == "int4":
+    if scheme in ("int4", "int5"):
+        top = 15 if scheme == "int4" else 31
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scales = (high - low) / 15
+        scales = (high - low) / top
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = ((groups - low[..., None]) / safe[..., None]).round_().clamp_(0, 15)
-        return GGUFQuantWeight(GQT.Q4_1, codes.to(torch.uint8).reshape(n, k), scales, low)
+        codes = ((groups - low[..., None]) / safe[..., None]).round_().clamp_(0, top)
+        form = GQT.Q4_1 if scheme == "int4" else GQT.Q5_1
+        return GGUFQuantWeight(form, codes.to(torch.uint8).reshape(n, k), scales, low)
     if scheme == "int8":
         scales = groups.abs().amax(dim=-1) / 127
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))

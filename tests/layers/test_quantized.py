@@ -287,14 +287,14 @@ def test_activation_quantization_modes():
     assert config.device.activation_quantization == "int8"
 
 
-@pytest.mark.parametrize("scheme,levels", [("int4", 15), ("int8", 254)])
+@pytest.mark.parametrize("scheme,levels", [("int4", 15), ("int5", 31), ("int8", 254)])
 def test_quantize_on_load_error_is_at_most_half_a_step(scheme, levels):
     torch.manual_seed(0)
     weight = torch.randn(64, 128) * torch.logspace(-3, 1, 64)[:, None]  # rows of many scales
     weight[3, :32] = 0.5  # a constant group: scale 0 must not divide by zero
     codes = quantize_weight(weight, scheme)
     groups = weight.view(64, 4, 32)
-    step = (groups.amax(-1) - groups.amin(-1)) / 15 if scheme == "int4" else (
+    step = (groups.amax(-1) - groups.amin(-1)) / levels if scheme != "int8" else (
         groups.abs().amax(-1) / 127
     )
     error = (codes.dequantize() - weight).abs().view(64, 4, 32)
