@@ -156,7 +156,14 @@ def _add_router(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(parser: argparse.ArgumentParser) -> None:
-    from pagedserve.benchmarks import attention, collectives, matmul, peak, throughput
+    from pagedserve.benchmarks import (
+        attention,
+        collectives,
+        matmul,
+        peak,
+        perplexity,
+        throughput,
+    )
     from pagedserve.benchmarks import lora as lora_bench
     from pagedserve.benchmarks import serve as serve_bench
 
@@ -190,6 +197,10 @@ def _add_bench(parser: argparse.ArgumentParser) -> None:
         "attention", help="one request's prefill attention: the compiled kernel against torch's")
     attention.add_cli_args(attention_parser)
     attention_parser.set_defaults(func=attention.main)
+    perplexity_parser = bench_commands.add_parser(
+        "perplexity", help="a model's perplexity on a text, and its drift from the exact engine")
+    perplexity.add_cli_args(perplexity_parser)
+    perplexity_parser.set_defaults(func=lambda args: 0 if perplexity.main(args) else 1)
 
 
 COMMANDS = {

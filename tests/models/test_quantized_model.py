@@ -14,7 +14,6 @@ with the dense bf16 model's drift, and compare perplexity on a fixed public-doma
 
 from __future__ import annotations
 
-import math
 import pathlib
 import statistics
 
@@ -22,6 +21,7 @@ import gguf
 import pytest
 
 import pagedserve.layers.linear as linear_module
+from pagedserve.benchmarks.perplexity import perplexity, teacher_forced_logprobs
 from pagedserve.layers.outliers import OUTLIER_CHANNELS, int8_linears
 from pagedserve.observability.memory import model_bytes
 from pagedserve.sampling_params import SamplingParams
@@ -55,29 +55,15 @@ def int4_everywhere(monkeypatch):
     _packed_everywhere(monkeypatch)
 
 
-def _teacher_forced_logprobs(llm, sequences: list[list[int]], num_prompt: list[int]):
-    """Per sequence: the logprob of each token after its prompt, given all tokens before it."""
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in sequences], params)
-    return [
-        [out.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))]
-        for ids, start, out in zip(sequences, num_prompt, outputs)
-    ]
-
-
 def _text_logprobs(llm, texts_ids: list[list[int]]) -> list[float]:
     """Each token's logprob given those before it in its text (each text's first excepted), all
     the texts' in one list."""
-    per_text = _teacher_forced_logprobs(llm, texts_ids, [1] * len(texts_ids))
+    per_text = teacher_forced_logprobs(llm, texts_ids, [1] * len(texts_ids))
     return [logprob for logprobs in per_text for logprob in logprobs]
 
 
-def _perplexity_of(logprobs: list[float]) -> float:
-    return math.exp(-statistics.mean(logprobs))
-
-
 def _perplexity(llm, texts_ids: list[list[int]]) -> float:
-    return _perplexity_of(_text_logprobs(llm, texts_ids))
+    return perplexity(_text_logprobs(llm, texts_ids))
 
 
 def test_default_engine_holds_its_weights_once(make_llm, model_path):
@@ -133,7 +119,7 @@ def test_packed_bf16_tracks_fp32_reference(make_llm, tokenizer, int4_everywhere)
     drift = {}
     dense_llm = make_llm(dtype="bfloat16", quantization="none")
     for name, llm in (("packed bf16", packed_llm), ("dense bf16", dense_llm)):
-        forced = _teacher_forced_logprobs(llm, sequences, starts)
+        forced = teacher_forced_logprobs(llm, sequences, starts)
         diffs = [abs(a - b) for fs, rs in zip(forced, ref_logprobs) for a, b in zip(fs, rs)]
         drift[name] = (statistics.mean(diffs), max(diffs))
     print(
@@ -170,7 +156,7 @@ def exact_text_logprobs(model_path, tokenizer, text_ids) -> list[float]:
 
 @pytest.fixture(scope="module")
 def fp32_perplexity(exact_text_logprobs) -> float:
-    return _perplexity_of(exact_text_logprobs)
+    return perplexity(exact_text_logprobs)
 
 
 @BF16_IS_THE_DEFAULT
@@ -250,7 +236,7 @@ def _quality_against_exact(llm, make_llm, tokenizer, text_ids, exact_text_logpro
               if a != b), NUM_NEW_TOKENS)
         for r, q in zip(exact, outputs)
     ]
-    return _perplexity_of(logprobs), drift, agreeing
+    return perplexity(logprobs), drift, agreeing
 
 
 FP32_DRIFT_BOUND = {"auto": 0.09, "int16": 0.005, "int8": 0.09}
