@@ -21,6 +21,7 @@ from pagedserve.layers.quantized import (
     GroupQuantizedWeight,
     Int4PackedWeight,
     as_int4_halves,
+    concat_rows,
     decode_gguf_blocks,
     int4_scales_and_zeros,
     quantize_weight,
@@ -125,6 +126,28 @@ def _loaded_linear(layer: Linear, shards: dict, dtype: torch.dtype) -> Linear:
             default_weight_loader(layer.weight, weight)
     layer.process_weights_after_loading(dtype)
     return layer.to(dtype)
+
+
+@pytest.mark.parametrize("shards,form", [
+    ((GQT.Q4_K, GQT.Q5_0, GQT.Q5_K), 5),  # 4-bit codes join 5-bit ones as they are
+    ((GQT.Q5_0, GQT.Q5_0, GQT.Q8_0), 8),  # Qwen2.5's and Gemma 3's QKV: symmetric Q5_0 as Q8_0
+    ((GQT.Q4_0, GQT.Q8_0), 8),
+    ((GQT.Q5_1, GQT.Q8_0), None),  # an asymmetric shard beside Q8_0: no exact common form
+    ((GQT.Q4_K, GQT.Q8_0), None),
+], ids=lambda v: "-".join(t.name for t in v) if isinstance(v, tuple) else str(v))
+def test_merged_shards_meet_in_the_widest_exact_form(shards, form):
+    k = 256
+    weights = [decode_gguf_blocks(synthetic_blocks(t, 32, k, seed=i), t, (32, k))
+               for i, t in enumerate(shards)]
+    merged = concat_rows(weights)
+    if form is None:
+        assert merged is None
+        return
+    assert merged.bits == form
+    if form == 8:
+        assert merged.qtype == GQT.Q8_0 and merged.codes.dtype == torch.int8
+    # the same values, bit for bit
+    assert torch.equal(merged.dequantize(), torch.cat([w.dequantize() for w in weights]))
 
 
 def test_merged_layer_packs_same_type_shards_and_falls_back_on_mixed():

@@ -37,10 +37,13 @@ def test_k_quant_model_holds_its_weights_once(name):
     path = _path(name)
     llm = LLM(model=name, max_model_len=256, kv_cache_memory="16MiB")
     model = _model(llm)
-    mlp = model.model.layers[0].mlp
-    # Q5_0 gate and up projections: 5-bit codes alone; the Q6_K down projection: dense
+    layer = model.model.layers[0]
+    mlp = layer.mlp
+    # Q5_0 gate and up projections: 5-bit codes alone; the Q6_K down projection: dense; Q5_0 q
+    # and k beside a Q8_0 v: one 8-bit matrix
     assert mlp.gate_up_proj.weight is None and mlp.gate_up_proj.packed.bits == 5
     assert mlp.down_proj.packed is None and mlp.down_proj.weight is not None
+    assert layer.self_attn.qkv_proj.weight is None and layer.self_attn.qkv_proj.packed.bits == 8
     parts = model_bytes(model)
     gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
     weights = parts["weights_packed"] + parts["weights_dense"]
