@@ -3437,7 +3437,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SOURCE_HASH") = PAGEDSERVE_STRINGIFY(PAGEDSERVE_SOURCE_HASH);
   m.attr("BUILD_ISA") = pagedserve_build_isa();
   m.def("quant_linear", &quant_linear,
-        "x @ W^T: GGUF-form 4/8-bit weights; int16/int8 activations, or fp32 exactly (32)",
+        "x @ W^T: GGUF-form 4/5/8-bit weights; int16/int8 activations, or fp32 exactly (32)",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("n"),
         py::arg("bits"), py::arg("activation_bits"), py::arg("bias") = py::none(),
         py::arg("outlier_channels") = py::none(), py::arg("outlier_weights") = py::none(),

@@ -4,7 +4,7 @@ A decode step of one request runs ~80 small ops per layer from Python; on this k
 dispatch cost was half the step. `DecoderStack` (csrc/cpu_ops.cpp) runs the same kernels the
 Python modules call for such a step, in the same order and dtypes, from C++: same output, bitwise
 (tests/models/test_decoder_stack.py). It applies when every projection is packed for the
-compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/8-bit files) and the
+compiled kernel (`GroupQuantizedWeight`, the default on the CPU for GGUF 4/5/8-bit files) and the
 step has at most FUSED_MAX_TOKENS tokens (a batch of up to 32 decodes); anything else runs the
 modules. Each projection multiplies as Linear does: by its codes up to PACKED_MAX_ROWS rows, and
 above that, in bf16, by torch's matmul on its weights dequantized from the codes (fp32 and

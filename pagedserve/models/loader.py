@@ -334,7 +334,7 @@ def load_model(
     quantize_on_load: str | None = None,
     kernel_config: KernelConfig | None = None,
 ) -> torch.nn.Module:
-    """keep_packed: also run GGUF 4/8-bit weights on their codes (bf16 on the CPU; see
+    """keep_packed: also run GGUF 4/5/8-bit weights on their codes (bf16 on the CPU; see
     layers/linear.py). quantize_on_load: "int4" / "int8" quantize every linear weight instead.
     kernel_config: the compiled CPU paths the model's layers take (from DeviceConfig; None: the
     enclosing cpu_ops.building_with scope's, by default all on); CPU devices only."""
