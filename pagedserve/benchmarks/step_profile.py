@@ -107,10 +107,14 @@ class _Timer:
 
 
 def _module_part(name: str, module: torch.nn.Module) -> str | None:
+    """A module's part: by its attribute name for the linear layers, else by the nearest class
+    in its MRO that MODULE_PARTS names (so Gemma's norms, attention and MLP, subclasses of
+    Llama's, are their parts and not "other forward")."""
     attribute = name.rsplit(".", 1)[-1]
     if attribute in LINEAR_PARTS:
         return LINEAR_PARTS[attribute]
-    return MODULE_PARTS.get(type(module).__name__)
+    return next((MODULE_PARTS[cls.__name__] for cls in type(module).__mro__
+                 if cls.__name__ in MODULE_PARTS), None)
 
 
 @contextmanager

@@ -4,8 +4,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from pagedserve.benchmarks.step_profile import PART_ORDER, format_profile, profile_steps
+from pagedserve.benchmarks.step_profile import (
+    PART_ORDER,
+    _module_part,
+    format_profile,
+    profile_steps,
+)
+from pagedserve.models.gemma3 import GemmaRMSNorm
 
 
 def test_profile_parts_cover_the_step_and_patch_nothing(make_llm):
@@ -28,3 +35,14 @@ def test_profile_parts_cover_the_step_and_patch_nothing(make_llm):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert not engine.events.enabled
     assert vars(engine.scheduler).keys() == scheduler_methods.keys()
+
+
+def test_subclassed_modules_take_their_base_class_part():
+    """Gemma's norm, attention and MLP subclass Llama's: their time is their part's, not
+    "other forward"."""
+    norm = GemmaRMSNorm(64, 1e-6, None)
+    assert _module_part("model.layers.0.pre_feedforward_layernorm", norm) == (
+        "norms (+ residual add)")
+    assert _module_part("model.layers.0.mlp.down_proj", torch.nn.Linear(2, 2)) == (
+        "MLP down projection")
+    assert _module_part("model.layers.0.mlp.act", torch.nn.ReLU()) is None
