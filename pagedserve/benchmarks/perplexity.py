@@ -24,6 +24,8 @@ import dataclasses
 import gc
 import json
 import math
+from collections.abc import Callable
+from typing import Any
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm import LLM
@@ -82,14 +84,14 @@ def windows(token_ids: list[int], window: int, max_tokens: int) -> list[list[int
     return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
 
 
-def _score(engine_args: EngineArgs, sequences: list[list[int]] | None, text: str, window: int,
-           max_tokens: int) -> tuple[list[list[int]], list[float]]:
-    """(the windows, every scored token's logprob) on one engine, built and released here."""
+def _score(engine_args: EngineArgs, sequences_for: Callable[[Any], list[list[int]]]
+           ) -> tuple[list[list[int]], list[float]]:
+    """(the sequences, every scored token's logprob) on one engine, built and released here;
+    sequences_for(the engine's tokenizer) gives the sequences."""
     llm = LLM(**vars(engine_args))
-    if sequences is None:
-        sequences = windows(llm.engine.tokenizer.encode(text), window, max_tokens)
-        if not sequences:
-            raise ValueError("the text has fewer than 2 tokens")
+    sequences = sequences_for(llm.engine.tokenizer)
+    if not sequences:
+        raise ValueError("the text has fewer than 2 tokens")
     window_logprobs = teacher_forced_logprobs(llm, sequences, [1] * len(sequences))
     llm.engine.assert_idle()
     del llm
@@ -105,13 +107,14 @@ def exact_engine_args(engine_args: EngineArgs) -> EngineArgs:
 def main(args: argparse.Namespace) -> dict:
     engine_args = EngineArgs.from_cli_args(args)
     text = read_text(args.text)
-    sequences, logprobs = _score(engine_args, None, text, args.window, args.max_tokens)
+    sequences, logprobs = _score(
+        engine_args, lambda tokenizer: windows(tokenizer.encode(text), args.window,
+                                               args.max_tokens))
     result = {"model": engine_args.model, "tokens_scored": len(logprobs),
               "windows": len(sequences), "window": args.window,
               "perplexity": perplexity(logprobs)}
     if args.reference == "exact":
-        _, exact = _score(exact_engine_args(engine_args), sequences, text, args.window,
-                          args.max_tokens)
+        _, exact = _score(exact_engine_args(engine_args), lambda _: sequences)
         result.update({
             "exact_perplexity": perplexity(exact),
             "perplexity_vs_exact": perplexity(logprobs) / perplexity(exact) - 1,

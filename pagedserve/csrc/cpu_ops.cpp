@@ -1623,14 +1623,16 @@ torch::Tensor pack_codes(torch::Tensor codes, int64_t bits) {
               for (int e = 0; e < 4; ++e)
                 out[i * 64 + e] =
                     (codes_g[4 * i + e] & 0x0F) | ((codes_g[16 + 4 * i + e] & 0x0F) << 4);
-            // 5-bit: word j's bit 4 * col + e of the fifth chunk is element 4j + e's fifth bit
-            // (the block's columns share its bytes: one thread writes them all)
-            uint8_t* fifth = dst + (b * groups + g) * group_bytes + 4 * 64;
-            for (int j = 0; bits == 5 && j < 8; ++j)
-              for (int e = 0; e < 4; ++e) {
-                const int bit = 4 * col + e;
-                fifth[8 * j + bit / 8] |= ((codes_g[4 * j + e] >> 4) & 1) << (bit % 8);
-              }
+            if (bits == 5) {
+              // word j's bit 4 * col + e of the fifth chunk is element 4j + e's fifth bit (the
+              // block's columns share its bytes: one thread writes them all)
+              uint8_t* fifth = dst + (b * groups + g) * group_bytes + 4 * 64;
+              for (int j = 0; j < 8; ++j)
+                for (int e = 0; e < 4; ++e) {
+                  const int bit = 4 * col + e;
+                  fifth[8 * j + bit / 8] |= ((codes_g[4 * j + e] >> 4) & 1) << (bit % 8);
+                }
+            }
           } else {  // chunk j, byte e: element 4j + e
             for (int j = 0; j < 8; ++j)
               for (int e = 0; e < 4; ++e) out[j * 64 + e] = codes_g[4 * j + e];

@@ -513,7 +513,7 @@ def concat_rows(weights: list[GGUFQuantWeight]) -> GGUFQuantWeight | None:
     if any(w is None for w in widened):
         return None
     return GGUFQuantWeight(
-        next(w.qtype for w in widened if w.bits == bits),
+        widened[0].qtype,
         torch.cat([w.codes for w in widened]),
         torch.cat([w.scales for w in widened]),
         torch.cat([w.mins for w in widened]),
