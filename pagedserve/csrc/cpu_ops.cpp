@@ -18,6 +18,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -254,6 +255,87 @@ inline __m256 exp256(__m256 x) {
 //   scales, mins: [block][group][column], fp32 or (where exact) fp16.
 // pagedserve/layers/quantized.py (`vnni_layout`) builds it; N is padded to a multiple of 16.
 
+// ---------------------------------------------------------------------------------------------
+// Work shares that idle threads take over. at::parallel_for gives each thread one fixed share, so
+// a thread the OS takes away for a while (the server's event loop runs while a kernel holds no
+// GIL; a benchmark client shares the cores) holds every other thread at the region's end.
+//
+// parallel_pieces(outer, inner, size, piece) runs piece(o, begin, end) over every o < outer and
+// every index of [0, inner), in ranges [begin, end) of at most `size` indices. Thread t owns the
+// indices [inner * t / T, inner * (t + 1) / T) and walks their ranges for o = 0, 1, ... in turn,
+// as a static split would (a quantized matmul's thread keeps its columns' weights in its L2 over
+// all chunks of rows). A thread done with its own share then takes ranges from the end of the
+// others'. Which thread computes a range changes no result bit.
+struct alignas(64) PieceShare {
+  std::atomic<uint64_t> range;  // the next and the end position of the share's walk, 32 bits each
+};
+
+// Claims the share's next position (from_front) or its last one; false once it is empty.
+inline bool take_piece(PieceShare& share, bool from_front, int64_t* position) {
+  uint64_t range = share.range.load(std::memory_order_relaxed);
+  for (;;) {
+    const uint64_t next = range >> 32, end = range & 0xFFFFFFFFu;
+    if (next >= end) return false;
+    const uint64_t taken = from_front ? ((next + 1) << 32) | end : (next << 32) | (end - 1);
+    if (share.range.compare_exchange_weak(range, taken, std::memory_order_relaxed)) {
+      *position = static_cast<int64_t>(from_front ? next : end - 1);
+      return true;
+    }
+  }
+}
+
+template <typename F>
+void parallel_pieces(int64_t outer, int64_t inner, int64_t size, const F& piece) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), outer * inner);
+  if (threads <= 0) return;
+  auto first_index = [&](int64_t t) { return inner * t / threads; };
+  auto ranges = [&](int64_t t) { return (first_index(t + 1) - first_index(t) + size - 1) / size; };
+  TORCH_CHECK(outer * (inner + size - 1) / size < (int64_t{1} << 31),
+              "parallel_pieces: too many pieces");
+  if (outer == 1 && (inner + threads - 1) / threads <= size) {
+    // one range per share, nothing to hand over: a static split without the shared counters
+    // (a decode step's small products, measured 5% slower with them at 1 row, Zen 4)
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) piece(0, first_index(t), first_index(t + 1));
+    });
+    return;
+  }
+  std::vector<PieceShare> shares(threads);
+  for (int64_t t = 0; t < threads; ++t)
+    shares[t].range.store(static_cast<uint64_t>(outer * ranges(t)));
+  auto run = [&](int64_t t, int64_t position) {  // position in share t's walk
+    const int64_t o = position / ranges(t), begin = first_index(t) + position % ranges(t) * size;
+    piece(o, begin, std::min(first_index(t + 1), begin + size));
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    int64_t position;
+    for (int64_t t = begin; t < end; ++t)
+      while (take_piece(shares[t], true, &position)) run(t, position);
+    for (int64_t other = 1; other < threads; ++other) {
+      const int64_t victim = (begin + other) % threads;
+      while (take_piece(shares[victim], false, &position)) run(victim, position);
+    }
+  });
+}
+
+// f(begin, end) over [0, count) as parallel_pieces' shares, in ranges of at least min_size
+// indices and about 4 per thread, for work spread evenly enough over the indices.
+template <typename F>
+void parallel_ranges(int64_t count, int64_t min_size, const F& f) {
+  const int64_t size = std::max<int64_t>({int64_t{1}, min_size, count / (4 * at::get_num_threads())});
+  parallel_pieces(1, count, size, [&](int64_t, int64_t begin, int64_t end) { f(begin, end); });
+}
+
+// Work items per piece, for items that each cost `item_work` (a unit of work: one 32-element
+// group of one row times 16 columns): about kPieceWork units, tens of microseconds at 8 rows and
+// more. A smaller product (a decode step's few rows) stays one piece per thread: its pieces would
+// cost more to hand out than the imbalance they could save (measured at 1 row, Zen 4).
+constexpr int64_t kPieceWork = 8192;
+inline int64_t items_per_piece(int64_t items, int64_t item_work) {
+  const int64_t share = (items + at::get_num_threads() - 1) / at::get_num_threads();
+  return std::clamp<int64_t>(kPieceWork / std::max<int64_t>(1, item_work), 1, std::max<int64_t>(1, share));
+}
+
 // An array left uninitialized: every element is written before it is read, and std::vector's
 // zero fill was a memset as long as the quantization itself on a prefill's rows (perf, Zen 4).
 template <typename T>
@@ -277,10 +359,33 @@ struct QuantizedRows {
   RawArray<float> outlier_x;  // [rows, outliers]: the outlier channels' activations (see below)
 };
 
+#ifdef PAGEDSERVE_AVX512
+// Lane j of the result: v[j]'s 16 lanes reduced by `op` (max or add, on the bits as float or
+// int32): a tree of 45 shuffles and ops for 16 registers, where reducing each one alone costs 8.
+template <typename Op>
+inline __m512 reduce_16_registers(const __m512* v, Op op) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // w[i]: v[2i] in 128-bit lanes 0-1, v[2i+1] in 2-3
+    w[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // x[i]: v[4i + L] in 128-bit lane L
+    x[i] = op(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // y[i], lane L: v[8i + L], v[8i + 4 + L], twice
+    y[i] = op(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  // 128-bit lane L, element e: v[4e + L]
+  const __m512 z = op(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                      _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+#endif
+
 // One row's groups quantized: q = round(x / dx) (to nearest even), dx = absmax / kMax. The
 // AVX-512 form computes the same bits as the loop (the same product x * (kMax / absmax), rounded
-// by the same mode), a group at a time in two registers: prefill quantizes every activation of
-// every layer, and the loop cost a 2,000-token prefill about 2 ms per layer on a Zen 4.
+// by the same mode), 16 groups at a time: their maxima and sums reduced together and their
+// divisions in one instruction (prefill quantizes every activation of every layer; a group at a
+// time, the reductions' shuffles and a scalar division per group dominated).
 template <typename Q>
 inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* sum,
                          int32_t* qsums) {
@@ -288,24 +393,51 @@ inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* s
 #ifdef PAGEDSERVE_AVX512
   static_assert(kGroup == 32, "a group is two 16-lane registers");
   const __m512i high = _mm512_set1_epi32(kMax), low = _mm512_set1_epi32(-kMax);
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m512 a = _mm512_loadu_ps(x + g * kGroup), b = _mm512_loadu_ps(x + g * kGroup + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? kMax / amax : 0.f);
-    // cvtps rounds by MXCSR's mode, nearest even, as nearbyint does
-    const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), low), high);
-    const __m512i qb = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)), low), high);
-    if constexpr (std::is_same_v<Q, int8_t>) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup), _mm512_cvtepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup + 16), _mm512_cvtepi32_epi8(qb));
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), _mm512_cvtepi32_epi16(qa));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup + 16), _mm512_cvtepi32_epi16(qb));
+  const __m512 max_code = _mm512_set1_ps(static_cast<float>(kMax));
+  auto max_op = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+  auto add_op = [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  };
+  const int64_t groups = k / kGroup;
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, groups - g0));
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+    const float* xg = x + g0 * kGroup;
+    __m512 parts[16];
+    for (int j = 0; j < 16; ++j) {
+      parts[j] = j < n ? _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xg + j * kGroup)),
+                                       _mm512_abs_ps(_mm512_loadu_ps(xg + j * kGroup + 16)))
+                       : _mm512_setzero_ps();
     }
-    const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-    scale[g] = amax / kMax;
-    sum[g] = scale[g] * static_cast<float>(qsum);
-    qsums[g] = qsum;
+    const __m512 amax = reduce_16_registers(parts, max_op);
+    const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                           max_code, amax);
+    for (int j = 0; j < 16; ++j) {
+      if (j >= n) {
+        parts[j] = _mm512_setzero_ps();
+        continue;
+      }
+      const __m512 inv_j = _mm512_permutexvar_ps(_mm512_set1_epi32(j), inv);
+      // cvtps rounds by MXCSR's mode, nearest even, as nearbyint does
+      const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + j * kGroup), inv_j)), low), high);
+      const __m512i qb = _mm512_min_epi32(_mm512_max_epi32(
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + j * kGroup + 16), inv_j)), low), high);
+      Q* qg = q + (g0 + j) * kGroup;
+      if constexpr (std::is_same_v<Q, int8_t>) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qg), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + 16), _mm512_cvtepi32_epi8(qb));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg), _mm512_cvtepi32_epi16(qa));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg + 16), _mm512_cvtepi32_epi16(qb));
+      }
+      parts[j] = _mm512_castsi512_ps(_mm512_add_epi32(qa, qb));
+    }
+    const __m512i qsum = _mm512_castps_si512(reduce_16_registers(parts, add_op));
+    const __m512 dx = _mm512_div_ps(amax, max_code);
+    _mm512_mask_storeu_ps(scale + g0, lanes, dx);
+    _mm512_mask_storeu_ps(sum + g0, lanes, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(qsum)));
+    _mm512_mask_storeu_epi32(qsums + g0, lanes, qsum);
   }
 #else
   for (int64_t g = 0; g < k / kGroup; ++g) {
@@ -346,7 +478,7 @@ QuantizedRows<Q> quantize_rows(const T* x, int64_t rows, int64_t k,
   QuantizedRows<Q> out{RawArray<Q>(rows * k), RawArray<float>(rows * groups),
                        RawArray<float>(rows * groups), RawArray<int32_t>(rows * groups),
                        RawArray<float>(rows * outliers.count)};
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_ranges(rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(k);
     for (int64_t r = begin; r < end; ++r) {
       widen_row(x + r * k, row.data(), k);
@@ -950,80 +1082,85 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
   // gated: work item b is gate block b and up block b + half, whose rows meet in gate_mul_row
   const bool gated = gating != Gate::kNone;
   const int64_t half = blocks / 2, items = gated ? half : blocks;
-  for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
+  // Work pieces: a chunk of rows times a run of work items. Each thread walks the chunks over its
+  // own share of the items (their weights stay in its L2, the chunk's quantized activations in
+  // both threads' caches).
+  const int64_t chunks = (rows + kRowChunk - 1) / kRowChunk;
+  const int64_t piece_items = items_per_piece(items, std::min(rows, kRowChunk) * groups);
+  parallel_pieces(chunks, items, piece_items, [&](int64_t chunk_index, int64_t item_begin,
+                                                  int64_t item_end) {
+    const int64_t chunk = chunk_index * kRowChunk;
     const int64_t chunk_end = std::min(rows, chunk + kRowChunk);
     const bool panels = kIntegerPanels && std::is_same_v<Q, int16_t> &&
                         chunk_end - chunk >= kPanelMinRows;
     const int64_t row_tile = panels ? kPanelTile : kRowTile;
     const bool byte_panel = kBits == 5 && !panels && chunk_end - chunk >= kBytePanelMinRows;
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      alignas(64) float tile[kRowTile * 16];
-      std::vector<uint8_t> byte_codes(byte_panel ? groups * 8 * 64 : 0);
-      // gated: the chunk's gate values of the item, rounded to T, until its up block comes
-      std::vector<T> gates(gated ? kRowChunk * 16 : 0);
-      T up[16];
+    alignas(64) float tile[kRowTile * 16];
+    RawArray<uint8_t> byte_codes(byte_panel ? groups * 8 * 64 : 0);
+    // gated: the chunk's gate values of the item, rounded to T, until its up block comes
+    RawArray<T> gates(gated ? kRowChunk * 16 : 0);
+    T up[16];
 #ifdef PAGEDSERVE_AVX2_INTEGER
-      // 32-byte aligned by hand: std::vector drops __m256i's alignment attribute
-      std::vector<uint8_t> panel_bytes(panels ? groups * 2 * kGroup * 32 + 32 : 0);
-      auto* panel = reinterpret_cast<__m256i*>(
-          (reinterpret_cast<uintptr_t>(panel_bytes.data()) + 31) & ~uintptr_t{31});
+    // 32-byte aligned by hand: new[] does not promise __m256i's alignment
+    RawArray<uint8_t> panel_bytes(panels ? groups * 2 * kGroup * 32 + 32 : 0);
+    auto* panel = reinterpret_cast<__m256i*>(
+        (reinterpret_cast<uintptr_t>(panel_bytes.data()) + 31) & ~uintptr_t{31});
 #endif
-      // Column block b over the chunk's rows: emit(row, values) for each row's 16 fp32 values.
-      auto run_block = [&](int64_t b, auto&& emit) {
-        const int64_t col0 = b * 16;
-        const S* block_scales = scales + b * groups * 16;
-        const S* block_mins = mins + b * groups * 16;
+    // Column block b over the chunk's rows: emit(row, values) for each row's 16 fp32 values.
+    auto run_block = [&](int64_t b, auto&& emit) {
+      const int64_t col0 = b * 16;
+      const S* block_scales = scales + b * groups * 16;
+      const S* block_mins = mins + b * groups * 16;
 #ifdef PAGEDSERVE_AVX2_INTEGER
-        if (panels) widen_panel<kBits>(codes + b * block_code_bytes, groups, panel);
+      if (panels) widen_panel<kBits>(codes + b * block_code_bytes, groups, panel);
 #endif
-        if (byte_panel) widen_to_bytes(codes + b * block_code_bytes, groups, byte_codes.data());
-        for (int64_t r = chunk; r < chunk_end; r += row_tile) {
-          const int tile_rows = static_cast<int>(std::min(row_tile, chunk_end - r));
-          if (panels) {
+      if (byte_panel) widen_to_bytes(codes + b * block_code_bytes, groups, byte_codes.data());
+      for (int64_t r = chunk; r < chunk_end; r += row_tile) {
+        const int tile_rows = static_cast<int>(std::min(row_tile, chunk_end - r));
+        if (panels) {
 #ifdef PAGEDSERVE_AVX2_INTEGER
-            if constexpr (std::is_same_v<Q, int16_t>)
-              panel_tile<S>(tile_rows, panel, block_scales, block_mins, groups,
-                            xr.q.data() + r * k, xr.scale.data() + r * groups,
-                            xr.sum.data() + r * groups, k, tile);
+          if constexpr (std::is_same_v<Q, int16_t>)
+            panel_tile<S>(tile_rows, panel, block_scales, block_mins, groups,
+                          xr.q.data() + r * k, xr.scale.data() + r * groups,
+                          xr.sum.data() + r * groups, k, tile);
 #endif
-          } else if (byte_panel) {
-            vnni_rows<8, Q, S>(tile_rows, byte_codes.data(), block_scales, block_mins, groups,
-                               xr.q.data() + r * k, xr.scale.data() + r * groups,
-                               xr.sum.data() + r * groups, xr.qsum.data() + r * groups, k, tile);
-          } else {
-            vnni_rows<kBits, Q, S>(tile_rows, codes + b * block_code_bytes, block_scales,
-                                   block_mins, groups, xr.q.data() + r * k,
-                                   xr.scale.data() + r * groups, xr.sum.data() + r * groups,
-                                   xr.qsum.data() + r * groups, k, tile);
-          }
-          if (outliers.count)
-            add_outliers(outliers, xr.outlier_x.data() + r * outliers.count, tile_rows, col0,
-                         tile);
-          for (int i = 0; i < tile_rows; ++i) emit(r + i, tile + i * 16);
+        } else if (byte_panel) {
+          vnni_rows<8, Q, S>(tile_rows, byte_codes.data(), block_scales, block_mins, groups,
+                             xr.q.data() + r * k, xr.scale.data() + r * groups,
+                             xr.sum.data() + r * groups, xr.qsum.data() + r * groups, k, tile);
+        } else {
+          vnni_rows<kBits, Q, S>(tile_rows, codes + b * block_code_bytes, block_scales,
+                                 block_mins, groups, xr.q.data() + r * k,
+                                 xr.scale.data() + r * groups, xr.sum.data() + r * groups,
+                                 xr.qsum.data() + r * groups, k, tile);
         }
-      };
-      for (int64_t b = begin; b < end; ++b) {
-        if (gated) {
-          run_block(b, [&](int64_t row, float* values) {
-            store_row(values, gates.data() + (row - chunk) * 16, 16);
-          });
-          run_block(b + half, [&](int64_t row, float* values) {
-            store_row(values, up, 16);
-            gate_mul_row(gating, gates.data() + (row - chunk) * 16, up,
-                         y + row * (n / 2) + b * 16, int64_t{16});
-          });
-          continue;
-        }
-        const int64_t col0 = b * 16, cols = std::min<int64_t>(16, n - col0);
-        run_block(b, [&](int64_t row, float* values) {
-          if (bias) {
-            for (int64_t col = 0; col < cols; ++col) values[col] += to_float(bias[col0 + col]);
-          }
-          store_row(values, y + row * n + col0, cols);
-        });
+        if (outliers.count)
+          add_outliers(outliers, xr.outlier_x.data() + r * outliers.count, tile_rows, col0,
+                       tile);
+        for (int i = 0; i < tile_rows; ++i) emit(r + i, tile + i * 16);
       }
-    });
-  }
+    };
+    for (int64_t b = item_begin; b < item_end; ++b) {
+      if (gated) {
+        run_block(b, [&](int64_t row, float* values) {
+          store_row(values, gates.data() + (row - chunk) * 16, 16);
+        });
+        run_block(b + half, [&](int64_t row, float* values) {
+          store_row(values, up, 16);
+          gate_mul_row(gating, gates.data() + (row - chunk) * 16, up,
+                       y + row * (n / 2) + b * 16, int64_t{16});
+        });
+        continue;
+      }
+      const int64_t col0 = b * 16, cols = std::min<int64_t>(16, n - col0);
+      run_block(b, [&](int64_t row, float* values) {
+        if (bias) {
+          for (int64_t col = 0; col < cols; ++col) values[col] += to_float(bias[col0 + col]);
+        }
+        store_row(values, y + row * n + col0, cols);
+      });
+    }
+  });
 }
 
 // Calls run(kBits, scales, mins) with the layout's bit width as a constant and its scales typed.
@@ -2542,7 +2679,7 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
       }
     }
   };
-  at::parallel_for(0, first_task[tokens], 1, [&](int64_t begin, int64_t end) {
+  parallel_ranges(first_task[tokens], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(group * d), scores;
     std::vector<float> q32(kQuantized ? group * d : 0);  // quantized only: the widened queries
     // this task's rows and the next one's, whose keys the value pass requests ahead
@@ -2961,7 +3098,7 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
     }
   });
   // Rows (token, head) of a KV head in blocks of 8 tokens; a later token sees more keys, so the
-  // blocks are dealt from both ends to give the threads equal work. Head dim 256 (Gemma 3) runs
+  // blocks are dealt from both ends to even out the ranges' work. Head dim 256 (Gemma 3) runs
   // flash_rows_wide, 4 rows per pass.
   constexpr int64_t kTokenBlock = 8;
   constexpr bool kWide = DC >= 16;
@@ -2987,7 +3124,7 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
   };
   static_assert(kFlashRows == 3 && kFlashWideRows == 4, "run_rows takes 1..kRowsPerPass rows");
   const int64_t token_blocks = (tokens + kTokenBlock - 1) / kTokenBlock;
-  at::parallel_for(0, kv_heads * token_blocks, 1, [&](int64_t begin, int64_t end) {
+  parallel_ranges(kv_heads * token_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / token_blocks, k = task % token_blocks;
       const int64_t block = k % 2 == 0 ? k / 2 : token_blocks - 1 - k / 2;

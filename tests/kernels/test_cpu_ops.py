@@ -52,11 +52,13 @@ def reference_quant_linear(x: torch.Tensor, weight, activation_bits: int) -> tor
 @pytest.mark.parametrize("qtype", [GQT.Q4_0, GQT.Q4_1, GQT.Q4_K, GQT.Q5_0, GQT.Q5_K, GQT.Q8_0],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 21])
-def test_quant_linear_follows_its_arithmetic(qtype, rows, activation_bits):
-    n, k = 40, 256  # 40: the last 16-column block is partly padding
+@pytest.mark.parametrize("k", [256, 576])  # 8 and 18 groups: a row's groups are quantized 16 at a time
+def test_quant_linear_follows_its_arithmetic(qtype, rows, activation_bits, k):
+    n = 40  # the last 16-column block is partly padding
     weight = decode_gguf_blocks(synthetic_blocks(qtype, n, k, seed=rows), qtype, (n, k))
     layer = GroupQuantizedWeight(weight, ops, activation_bits=activation_bits)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, 32:64] = 0  # an all-zero group: scale 0, codes 0
     y = layer(x)
     expected = reference_quant_linear(x, weight, activation_bits)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
