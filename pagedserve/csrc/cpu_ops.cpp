@@ -2277,6 +2277,27 @@ inline __m512 dot_partial(const c10::BFloat16* k, const c10::BFloat16* q, int64_
 }
 #endif
 
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+// dot_partial of 16 key rows, the head dim known: 16 independent chains. The loop with the dim
+// unknown was not unrolled, and one chain at a time waited on the latency of each dot and its
+// key row's load (a tenth of a batch-32 decode's samples, perf, Zen 4). The same dots in the
+// same order: the same bits.
+template <int kD>
+inline void dot_partials16(const c10::BFloat16* const* krows, const c10::BFloat16* q,
+                           __m512* partial) {
+  static_assert(kD % 32 == 0, "whole bf16 registers");
+  __m512bh qv[kD / 32];
+  for (int c = 0; c < kD / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < kD / 32; ++c)
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(krows[i] + 32 * c), qv[c]);
+    partial[i] = a;
+  }
+}
+#endif
+
 #ifdef PAGEDSERVE_AVX2
 // sums[i] = q . krows[i] for the first `count` (at most 8) keys, d a multiple of 8: their 8-wide
 // partial sums reduced together. Q: the query's type (the cache's, or fp32 beside codes), C: the
@@ -2495,7 +2516,19 @@ void group_attention_scores(const T* q, int64_t group, const T* const* krows, in
       if (vrows) prefetch_rows<2>(vrows, p0, p0 + 16, len, row_bytes);
       for (int64_t g = 0; g < group; ++g) {
         __m512 partial[16];
-        for (int i = 0; i < 16; ++i) {
+        bool done = false;
+#ifdef __AVX512BF16__
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (count == 16 && d == 64) {
+            dot_partials16<64>(krows + p0, q + g * d, partial);
+            done = true;
+          } else if (count == 16 && d == 128) {
+            dot_partials16<128>(krows + p0, q + g * d, partial);
+            done = true;
+          }
+        }
+#endif
+        for (int i = 0; i < 16 && !done; ++i) {
           partial[i] = i < count ? dot_partial(krows[p0 + i], q + g * d, d) : _mm512_setzero_ps();
         }
         _mm512_mask_storeu_ps(s + g * len + p0, static_cast<__mmask16>((1u << count) - 1),
