@@ -2278,7 +2278,7 @@ inline __m512 dot_partial(const c10::BFloat16* k, const c10::BFloat16* q, int64_
 #endif
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
-// dot_partial of 16 key rows, the head dim known: 16 independent chains. The loop with the dim
+// dot_partial of 16 key rows, the head dim known (64, 128, 256): 16 independent chains. The loop with the dim
 // unknown was not unrolled, and one chain at a time waited on the latency of each dot and its
 // key row's load (a tenth of a batch-32 decode's samples, perf, Zen 4). The same dots in the
 // same order: the same bits.
@@ -2524,6 +2524,9 @@ void group_attention_scores(const T* q, int64_t group, const T* const* krows, in
             done = true;
           } else if (count == 16 && d == 128) {
             dot_partials16<128>(krows + p0, q + g * d, partial);
+            done = true;
+          } else if (count == 16 && d == 256) {  // Gemma 3
+            dot_partials16<256>(krows + p0, q + g * d, partial);
             done = true;
           }
         }

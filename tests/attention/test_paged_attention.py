@@ -146,8 +146,12 @@ def _use_head_shape(monkeypatch, num_heads: int, num_kv_heads: int, head_dim: in
         monkeypatch.setattr(sys.modules[__name__], name, value)
 
 
-def test_bf16_matches_reference_within_bf16_rounding(backend):
-    """The bf16 path computes decode scores in bf16 (see _decode_attention): bound the error."""
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 256)])
+def test_bf16_matches_reference_within_bf16_rounding(backend, num_heads, num_kv_heads, head_dim,
+                                                     monkeypatch):
+    """The bf16 path computes decode scores in bf16 (see _decode_attention): bound the error, at
+    each head dim whose full tiles of 16 keys the CPU kernel scores in unrolled form."""
+    _use_head_shape(monkeypatch, num_heads, num_kv_heads, head_dim)
     q, key_cache, value_cache, meta = build_batch(backend, [1, 1, 1, 20], [7, 100, 33, 40])
     expected = reference_paged_attention(q, key_cache, value_cache, meta)
     actual = backend.forward(
