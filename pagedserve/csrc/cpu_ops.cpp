@@ -2556,6 +2556,23 @@ void group_attention_scores(const T* q, int64_t group, const T* const* krows, in
     attention_scores(q + g * d, krows, len, d, scale, s + g * len);
 }
 
+#ifdef PAGEDSERVE_AVX512
+// attention_scores_codes' dots of 16 key rows of codes, the head dim known (64, 128): 16
+// independent chains, as dot_partials16 (the same FMAs in the same order: the same bits).
+template <int kD, typename C>
+inline void code_dot_partials16(const float* q, const C* const* krows, __m512* partial) {
+  static_assert(kD % 16 == 0 && kD <= 128, "the query's registers and 16 sums fit in 32");
+  __m512 qv[kD / 16];
+  for (int c = 0; c < kD / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < kD / 16; ++c) a = _mm512_fmadd_ps(qv[c], load16(krows[i] + 16 * c), a);
+    partial[i] = a;
+  }
+}
+#endif
+
 // Scores against a quantized cache: s[p] = (q . codes[p]) * key_scales[p], the query widened to
 // fp32 and key_scales holding each key's scale times the softmax scale. vrows (or null): the
 // value rows the value pass reads, requested into L2 here (AVX-512).
@@ -2569,11 +2586,17 @@ void attention_scores_codes(const float* q, const C* const* krows, const float* 
       if (vrows) prefetch_rows<2>(vrows, p0, p0 + 16, len, d * static_cast<int64_t>(sizeof(C)));
       const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
       __m512 partial[16];
-      for (int i = 0; i < 16; ++i) {
-        partial[i] = _mm512_setzero_ps();
-        if (i >= count) continue;
-        for (int64_t j = 0; j < d; j += 16) {
-          partial[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), load16(krows[p0 + i] + j), partial[i]);
+      if (count == 16 && d == 64) {
+        code_dot_partials16<64>(q, krows + p0, partial);
+      } else if (count == 16 && d == 128) {
+        code_dot_partials16<128>(q, krows + p0, partial);
+      } else {
+        for (int i = 0; i < 16; ++i) {
+          partial[i] = _mm512_setzero_ps();
+          if (i >= count) continue;
+          for (int64_t j = 0; j < d; j += 16) {
+            partial[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), load16(krows[p0 + i] + j), partial[i]);
+          }
         }
       }
       const __m512 scales = _mm512_maskz_loadu_ps(valid, key_scales + p0);
