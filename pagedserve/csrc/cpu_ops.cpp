@@ -2277,27 +2277,6 @@ inline __m512 dot_partial(const c10::BFloat16* k, const c10::BFloat16* q, int64_
 }
 #endif
 
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
-// dot_partial of 16 key rows, the head dim known (64, 128, 256): 16 independent chains. The loop with the dim
-// unknown was not unrolled, and one chain at a time waited on the latency of each dot and its
-// key row's load (a tenth of a batch-32 decode's samples, perf, Zen 4). The same dots in the
-// same order: the same bits.
-template <int kD>
-inline void dot_partials16(const c10::BFloat16* const* krows, const c10::BFloat16* q,
-                           __m512* partial) {
-  static_assert(kD % 32 == 0, "whole bf16 registers");
-  __m512bh qv[kD / 32];
-  for (int c = 0; c < kD / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) {
-    __m512 a = _mm512_setzero_ps();
-    for (int c = 0; c < kD / 32; ++c)
-      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(krows[i] + 32 * c), qv[c]);
-    partial[i] = a;
-  }
-}
-#endif
-
 #ifdef PAGEDSERVE_AVX2
 // sums[i] = q . krows[i] for the first `count` (at most 8) keys, d a multiple of 8: their 8-wide
 // partial sums reduced together. Q: the query's type (the cache's, or fp32 beside codes), C: the
@@ -2516,22 +2495,7 @@ void group_attention_scores(const T* q, int64_t group, const T* const* krows, in
       if (vrows) prefetch_rows<2>(vrows, p0, p0 + 16, len, row_bytes);
       for (int64_t g = 0; g < group; ++g) {
         __m512 partial[16];
-        bool done = false;
-#ifdef __AVX512BF16__
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (count == 16 && d == 64) {
-            dot_partials16<64>(krows + p0, q + g * d, partial);
-            done = true;
-          } else if (count == 16 && d == 128) {
-            dot_partials16<128>(krows + p0, q + g * d, partial);
-            done = true;
-          } else if (count == 16 && d == 256) {  // Gemma 3
-            dot_partials16<256>(krows + p0, q + g * d, partial);
-            done = true;
-          }
-        }
-#endif
-        for (int i = 0; i < 16 && !done; ++i) {
+        for (int i = 0; i < 16; ++i) {
           partial[i] = i < count ? dot_partial(krows[p0 + i], q + g * d, d) : _mm512_setzero_ps();
         }
         _mm512_mask_storeu_ps(s + g * len + p0, static_cast<__mmask16>((1u << count) - 1),
@@ -2556,23 +2520,6 @@ void group_attention_scores(const T* q, int64_t group, const T* const* krows, in
     attention_scores(q + g * d, krows, len, d, scale, s + g * len);
 }
 
-#ifdef PAGEDSERVE_AVX512
-// attention_scores_codes' dots of 16 key rows of codes, the head dim known (64, 128): 16
-// independent chains, as dot_partials16 (the same FMAs in the same order: the same bits).
-template <int kD, typename C>
-inline void code_dot_partials16(const float* q, const C* const* krows, __m512* partial) {
-  static_assert(kD % 16 == 0 && kD <= 128, "the query's registers and 16 sums fit in 32");
-  __m512 qv[kD / 16];
-  for (int c = 0; c < kD / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) {
-    __m512 a = _mm512_setzero_ps();
-    for (int c = 0; c < kD / 16; ++c) a = _mm512_fmadd_ps(qv[c], load16(krows[i] + 16 * c), a);
-    partial[i] = a;
-  }
-}
-#endif
-
 // Scores against a quantized cache: s[p] = (q . codes[p]) * key_scales[p], the query widened to
 // fp32 and key_scales holding each key's scale times the softmax scale. vrows (or null): the
 // value rows the value pass reads, requested into L2 here (AVX-512).
@@ -2586,17 +2533,11 @@ void attention_scores_codes(const float* q, const C* const* krows, const float* 
       if (vrows) prefetch_rows<2>(vrows, p0, p0 + 16, len, d * static_cast<int64_t>(sizeof(C)));
       const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
       __m512 partial[16];
-      if (count == 16 && d == 64) {
-        code_dot_partials16<64>(q, krows + p0, partial);
-      } else if (count == 16 && d == 128) {
-        code_dot_partials16<128>(q, krows + p0, partial);
-      } else {
-        for (int i = 0; i < 16; ++i) {
-          partial[i] = _mm512_setzero_ps();
-          if (i >= count) continue;
-          for (int64_t j = 0; j < d; j += 16) {
-            partial[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), load16(krows[p0 + i] + j), partial[i]);
-          }
+      for (int i = 0; i < 16; ++i) {
+        partial[i] = _mm512_setzero_ps();
+        if (i >= count) continue;
+        for (int64_t j = 0; j < d; j += 16) {
+          partial[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), load16(krows[p0 + i] + j), partial[i]);
         }
       }
       const __m512 scales = _mm512_maskz_loadu_ps(valid, key_scales + p0);
