@@ -403,20 +403,15 @@ inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* s
     const int n = static_cast<int>(std::min<int64_t>(16, groups - g0));
     const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
     const float* xg = x + g0 * kGroup;
-    __m512 parts[16];
-    for (int j = 0; j < 16; ++j) {
-      parts[j] = j < n ? _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xg + j * kGroup)),
-                                       _mm512_abs_ps(_mm512_loadu_ps(xg + j * kGroup + 16)))
-                       : _mm512_setzero_ps();
-    }
+    __m512 parts[16];  // per group: its |x| maxima, then its codes' sums (groups past n: 0)
+    for (int j = 0; j < 16; ++j) parts[j] = _mm512_setzero_ps();
+    for (int j = 0; j < n; ++j)
+      parts[j] = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xg + j * kGroup)),
+                               _mm512_abs_ps(_mm512_loadu_ps(xg + j * kGroup + 16)));
     const __m512 amax = reduce_16_registers(parts, max_op);
     const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
                                            max_code, amax);
-    for (int j = 0; j < 16; ++j) {
-      if (j >= n) {
-        parts[j] = _mm512_setzero_ps();
-        continue;
-      }
+    for (int j = 0; j < n; ++j) {
       const __m512 inv_j = _mm512_permutexvar_ps(_mm512_set1_epi32(j), inv);
       // cvtps rounds by MXCSR's mode, nearest even, as nearbyint does
       const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(
@@ -819,7 +814,6 @@ inline void store_row(const float* src, c10::BFloat16* dst, int64_t count) {
 #endif
   for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
 }
-
 
 #ifdef PAGEDSERVE_AVX2_INTEGER
 // int16 activations on many rows (prefill, big decode batches) without VNNI. vnni_block widens
