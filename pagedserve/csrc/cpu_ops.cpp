@@ -350,12 +350,35 @@ class RawArray {
   std::unique_ptr<T[]> values_;
 };
 
+// The rows' layout. With VNNI the integer kernel (vnni_block) takes the rows kActivationTile at a
+// time, and each tile's rows are interleaved group by group: q [tile][group][row][32],
+// scale/sum/qsum [tile][group][row] (the last tile's `count` rows likewise), so that its loads
+// are one moving pointer plus constants. Row-major, 8 rows' pointers and their scales' did not
+// fit the 15 general registers and the compiler spilled them, two dozen stack loads and stores
+// per group in the innermost loop. Without VNNI ([rows][K] and [rows][G]) a tile is any rows.
+#ifdef PAGEDSERVE_VNNI
+constexpr int64_t kActivationTile = 8;  // = kRowTile (quant_linear_impl's tiles of rows)
+#else
+constexpr int64_t kActivationTile = 1;  // row-major
+#endif
+
+// Where row r's groups go in the layout above: its first group's codes at q_offset (later
+// groups q_stride elements apart), its first scale at scale_offset (later ones scale_stride).
+struct ActivationPlace {
+  int64_t q_offset, q_stride, scale_offset, scale_stride;
+};
+inline ActivationPlace activation_place(int64_t r, int64_t rows, int64_t k) {
+  const int64_t first = r - r % kActivationTile;
+  const int64_t count = std::min(kActivationTile, rows - first), i = r - first;
+  return {first * k + i * kGroup, count * kGroup, first * (k / kGroup) + i, count};
+}
+
 template <typename Q>
 struct QuantizedRows {
-  RawArray<Q> q;          // [rows, K]
-  RawArray<float> scale;  // [rows, G]: dx
-  RawArray<float> sum;    // [rows, G]: xsum (see above)
-  RawArray<int32_t> qsum;  // [rows, G]: sum(xq), for the AVX2 form of 8-bit weights
+  RawArray<Q> q;          // rows x K: the codes xq
+  RawArray<float> scale;  // rows x G: dx
+  RawArray<float> sum;    // rows x G: xsum (see above)
+  RawArray<int32_t> qsum;  // rows x G: sum(xq), for the AVX2 form of 8-bit weights
   RawArray<float> outlier_x;  // [rows, outliers]: the outlier channels' activations (see below)
 };
 
@@ -388,7 +411,7 @@ inline __m512 reduce_16_registers(const __m512* v, Op op) {
 // time, the reductions' shuffles and a scalar division per group dominated).
 template <typename Q>
 inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* sum,
-                         int32_t* qsums) {
+                         int32_t* qsums, int64_t q_stride, int64_t scale_stride) {
   constexpr int32_t kMax = std::is_same_v<Q, int8_t> ? 127 : 32767;
 #ifdef PAGEDSERVE_AVX512
   static_assert(kGroup == 32, "a group is two 16-lane registers");
@@ -418,7 +441,7 @@ inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* s
           _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + j * kGroup), inv_j)), low), high);
       const __m512i qb = _mm512_min_epi32(_mm512_max_epi32(
           _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + j * kGroup + 16), inv_j)), low), high);
-      Q* qg = q + (g0 + j) * kGroup;
+      Q* qg = q + (g0 + j) * q_stride;
       if constexpr (std::is_same_v<Q, int8_t>) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qg), _mm512_cvtepi32_epi8(qa));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + 16), _mm512_cvtepi32_epi8(qb));
@@ -430,9 +453,22 @@ inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* s
     }
     const __m512i qsum = _mm512_castps_si512(reduce_16_registers(parts, add_op));
     const __m512 dx = _mm512_div_ps(amax, max_code);
-    _mm512_mask_storeu_ps(scale + g0, lanes, dx);
-    _mm512_mask_storeu_ps(sum + g0, lanes, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(qsum)));
-    _mm512_mask_storeu_epi32(qsums + g0, lanes, qsum);
+    if (scale_stride == 1) {
+      _mm512_mask_storeu_ps(scale + g0, lanes, dx);
+      _mm512_mask_storeu_ps(sum + g0, lanes, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(qsum)));
+      _mm512_mask_storeu_epi32(qsums + g0, lanes, qsum);
+    } else {
+      alignas(64) float dxs[16], sums[16];
+      alignas(64) int32_t qs[16];
+      _mm512_store_ps(dxs, dx);
+      _mm512_store_ps(sums, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(qsum)));
+      _mm512_store_si512(qs, qsum);
+      for (int j = 0; j < n; ++j) {
+        scale[(g0 + j) * scale_stride] = dxs[j];
+        sum[(g0 + j) * scale_stride] = sums[j];
+        qsums[(g0 + j) * scale_stride] = qs[j];
+      }
+    }
   }
 #else
   for (int64_t g = 0; g < k / kGroup; ++g) {
@@ -443,12 +479,12 @@ inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* s
     int32_t qsum = 0;
     for (int j = 0; j < kGroup; ++j) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(xg[j] * inv));
-      q[g * kGroup + j] = static_cast<Q>(std::clamp(v, -kMax, kMax));
-      qsum += q[g * kGroup + j];
+      q[g * q_stride + j] = static_cast<Q>(std::clamp(v, -kMax, kMax));
+      qsum += q[g * q_stride + j];
     }
-    scale[g] = d;
-    sum[g] = d * static_cast<float>(qsum);
-    qsums[g] = qsum;
+    scale[g * scale_stride] = d;
+    sum[g * scale_stride] = d * static_cast<float>(qsum);
+    qsums[g * scale_stride] = qsum;
   }
 #endif
 }
@@ -481,9 +517,10 @@ QuantizedRows<Q> quantize_rows(const T* x, int64_t rows, int64_t k,
         out.outlier_x[r * outliers.count + j] = row[outliers.channels[j]];
         row[outliers.channels[j]] = 0.f;
       }
-      quantize_row(row.data(), k, out.q.data() + r * k,
-                   out.scale.data() + r * groups, out.sum.data() + r * groups,
-                   out.qsum.data() + r * groups);
+      const ActivationPlace place = activation_place(r, rows, k);
+      quantize_row(row.data(), k, out.q.data() + place.q_offset,
+                   out.scale.data() + place.scale_offset, out.sum.data() + place.scale_offset,
+                   out.qsum.data() + place.scale_offset, place.q_stride, place.scale_stride);
     }
   });
   return out;
@@ -695,11 +732,15 @@ inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
     unpack_group<kBits, Q>(codes + g * kChunks * 64, w);
     const __m512 scale = load_scales(scales + g * 16);
     const __m512 minimum = load_scales(mins + g * 16);
+    // the tile's rows interleaved (kActivationTile): group g's rows one after another
+    const Q* xg = xq + g * kRows * kGroup;
+    const float* dxg = dx + g * kRows;
+    const float* xsumg = xsum + g * kRows;
     for (int r = 0; r < kRows; ++r) {
-      const __m512i dot = group_dot<Q>(w, xq + r * k + g * kGroup);
-      const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * groups + g]));
+      const __m512i dot = group_dot<Q>(w, xg + r * kGroup);
+      const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(dxg[r]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
-      acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(xsumg[r]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(out + r * 16, acc[r]);
@@ -770,6 +811,7 @@ void vnni_rows(int rows, const uint8_t* codes, const S* scales, const S* mins,
 }
 
 constexpr int64_t kRowTile = 8;
+static_assert(kActivationTile == 1 || kActivationTile == kRowTile, "vnni_block's tiles");
 constexpr int64_t kRowChunk = 128;  // rows whose quantized activations stay in L2 across blocks
 
 // A column block's 5-bit codes widened into the 8-bit layout (8 chunks per group, chunk j the
