@@ -15,6 +15,14 @@ from tests.shared_engines import shared_weights_llm
 
 # Engine imports live inside the fixtures: tests/core must run without importing torch.
 
+if not any(os.path.exists(f"/dev/{device}") for device in ("nvidia0", "nvidiactl")):
+    # No GPU here: the Triton kernels' tests run them under the interpreter
+    # (tests/triton_interpreter.py), which must be on before anything imports triton. A library
+    # that imports it first (peft does) leaves triton.language's own @triton.jit helpers
+    # compiled, and an interpreted kernel calling them fails ("Cannot call @triton.jit'd outside
+    # of the scope of a kernel") in whichever test process ran that library's tests first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _pin_xdist_worker() -> None:
     """Under pytest-xdist (scripts/test.sh runs a worker per usable CPU) each worker takes its

@@ -3370,6 +3370,10 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
 // A projection as Linear._linear runs it: by its packed codes, or, in a layer loaded from GGUF
 // codes in bf16, for inputs of more than packed_max_rows rows by torch's matmul on its weights
 // dequantized (dequantize_linear: the dense weights' product, with none held).
+// One linear of a layer as Linear.forward multiplies it (layers/linear.py): by its GGUF codes
+// (codes defined), or by its dense weight (a GGUF type the codes' layout cannot hold, such as
+// Q6_K): dense_rows up to dense_rows_max rows where the layer uses that kernel (0: it does
+// not), F.linear otherwise.
 struct PackedLinear {
   torch::Tensor codes, scales, mins;
   c10::optional<torch::Tensor> bias;
@@ -3377,8 +3381,18 @@ struct PackedLinear {
   bool dense_above_max_rows;
   int64_t packed_max_rows;
   c10::optional<torch::Tensor> outlier_channels, outlier_weights;
+  torch::Tensor weight;  // the dense form's
+  int64_t dense_rows_max = 0;
+
+  bool dense() const { return !codes.defined(); }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (dense()) {
+      if (dense_rows_max > 0 && x.dim() == 2 && x.size(0) > 0 && x.size(0) <= dense_rows_max &&
+          x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16)
+        return dense_rows(x, weight, bias);
+      return torch::linear(x, weight, bias);
+    }
     if (dense_above_max_rows && x.size(0) > packed_max_rows)  // Linear: F.linear's product
       return dequantize_linear(x, codes, scales, mins, out_features, bits, bias);
     torch::Tensor y = quant_linear(x, codes, scales, mins, out_features, bits, activation_bits,
@@ -3389,18 +3403,27 @@ struct PackedLinear {
   // A merged gate_up layer's silu(gate) * up in one pass (quant_linear_gated), where that
   // kernel computes what silu_and_mul(*this(x)) would: codes, quantized activations, no bias.
   bool gates(const torch::Tensor& x) const {
-    return !(dense_above_max_rows && x.size(0) > packed_max_rows) && activation_bits != 32 &&
-           !bias && out_features % 32 == 0;
+    return !dense() && !(dense_above_max_rows && x.size(0) > packed_max_rows) &&
+           activation_bits != 32 && !bias && out_features % 32 == 0;
   }
-  torch::Tensor silu_mul(const torch::Tensor& x) const {
-    return quant_linear_gated(x, codes, scales, mins, out_features, bits, activation_bits, "silu",
-                              outlier_channels, outlier_weights);
+  torch::Tensor gated(const torch::Tensor& x, const std::string& activation) const {
+    return quant_linear_gated(x, codes, scales, mins, out_features, bits, activation_bits,
+                              activation, outlier_channels, outlier_weights);
   }
 };
 
+// A layer's weights. Llama's block: input_norm before attention, post_attention_norm fused with
+// the residual add before the MLP. Gemma 3's (`sandwich`): post_attention_norm and
+// post_feedforward_norm on the attention's and the MLP's outputs, pre_feedforward_norm fused
+// with the residual add before the MLP; q_norm and k_norm (QK-norm) on each head after the
+// projection. cos / sin: the layer's rotary tables (Gemma's local layers rotate with their own).
 struct DecoderLayerWeights {
   torch::Tensor input_norm, post_attention_norm;
   PackedLinear qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> q_norm, k_norm, pre_feedforward_norm, post_feedforward_norm;
+  torch::Tensor cos, sin;
+
+  bool sandwich() const { return pre_feedforward_norm.has_value(); }
 };
 
 // A step's LoRA adapters in the masked form (pagedserve/lora/layers.py): per layer and linear
@@ -3423,24 +3446,45 @@ struct StepLoRA {
 
 class DecoderStack {
  public:
+  // scale: the attention scores' (1 / sqrt(head_dim) for Llama); unit_offset: Gemma's norms
+  // (add_rms_norm); activation: the MLP's gating, "silu" or "gelu_tanh".
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-               torch::Tensor cos_cache, torch::Tensor sin_cache, torch::Tensor final_norm)
+               torch::Tensor final_norm, double scale, bool unit_offset, std::string activation)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
-        cos_cache_(cos_cache), sin_cache_(sin_cache), final_norm_(final_norm) {}
+        final_norm_(final_norm), scale_(scale), unit_offset_(unit_offset),
+        activation_(std::move(activation)) {
+    gate_named(activation_);  // checks the name
+  }
 
   // linears: (codes, scales, mins, bias or None, out_features, bits, activation_bits,
   // dense_above_max_rows, packed_max_rows, outlier_channels or None, outlier_weights or None)
-  // each
+  // each, or a dense one: (weight, bias or None, dense_rows_max); cos / sin: the layer's rotary tables; q_norm, k_norm: its QK-norm (or None);
+  // pre / post_feedforward_norm: Gemma's sandwich norms (both or neither).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
-                 const std::vector<py::tuple>& linears) {
+                 const std::vector<py::tuple>& linears, torch::Tensor cos, torch::Tensor sin,
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                 c10::optional<torch::Tensor> pre_feedforward_norm,
+                 c10::optional<torch::Tensor> post_feedforward_norm) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "QK-norm needs both weights");
+    TORCH_CHECK(pre_feedforward_norm.has_value() == post_feedforward_norm.has_value(),
+                "the sandwich form needs both feed-forward norms");
     TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
     std::vector<PackedLinear> parsed;
     for (const auto& l : linears) {
-      TORCH_CHECK(l.size() == 11, "a linear is 11 fields");
       auto optional_tensor = [&](int i) -> c10::optional<torch::Tensor> {
         if (l[i].is_none()) return c10::nullopt;
         return l[i].cast<torch::Tensor>();
       };
+      if (l.size() == 3) {
+        PackedLinear dense{};
+        dense.weight = l[0].cast<torch::Tensor>();
+        dense.bias = optional_tensor(1);
+        dense.out_features = dense.weight.size(0);
+        dense.dense_rows_max = l[2].cast<int64_t>();
+        parsed.push_back(dense);
+        continue;
+      }
+      TORCH_CHECK(l.size() == 11, "a packed linear is 11 fields, a dense one 3");
       const c10::optional<torch::Tensor> bias = optional_tensor(3);
       parsed.push_back(PackedLinear{l[0].cast<torch::Tensor>(), l[1].cast<torch::Tensor>(),
                                     l[2].cast<torch::Tensor>(), bias, l[4].cast<int64_t>(),
@@ -3449,36 +3493,54 @@ class DecoderStack {
                                     optional_tensor(9), optional_tensor(10)});
     }
     layers_.push_back(DecoderLayerWeights{input_norm, post_attention_norm, parsed[0], parsed[1],
-                                          parsed[2], parsed[3]});
+                                          parsed[2], parsed[3], q_norm, k_norm,
+                                          pre_feedforward_norm, post_feedforward_norm, cos, sin});
   }
 
   // hidden: (T, hidden) embeddings; kv_caches: per layer (key, value), or (key, value,
-  // key_scale, value_scale) for a quantized cache. Every token t reads positions
-  // [0, seq_lens[t]) of block-table row block_rows[t]. Returns the final-normed hidden states
-  // after the first num_layers layers. lora_factors, lora_masks: see StepLoRA (empty: none).
+  // key_scale, value_scale) for a quantized cache. Layer i reads and writes its KV cache group's
+  // slots: group layer_groups[i] (empty: 0 for every layer), whose slot mapping and block table
+  // are slot_mappings[g] and block_tables[g]. Every token t reads positions [0, seq_lens[t]) of
+  // block-table row block_rows[t]. Returns the final-normed hidden states after the first
+  // num_layers layers. lora_factors, lora_masks: see StepLoRA (empty: none).
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions,
                         const std::vector<std::vector<torch::Tensor>>& kv_caches,
-                        torch::Tensor slot_mapping, torch::Tensor block_table,
-                        torch::Tensor block_rows, torch::Tensor seq_lens, int64_t num_layers,
+                        const std::vector<torch::Tensor>& slot_mappings,
+                        const std::vector<torch::Tensor>& block_tables,
+                        const std::vector<int64_t>& layer_groups, torch::Tensor block_rows,
+                        torch::Tensor seq_lens, int64_t num_layers,
                         const std::vector<torch::Tensor>& lora_factors,
                         const std::vector<torch::Tensor>& lora_masks) {
     const StepLoRA lora{lora_factors, lora_masks};
     TORCH_CHECK(!lora.active() || (lora_masks.size() == 4 &&
                                    static_cast<int64_t>(lora_factors.size()) >= num_layers * 8),
                 "LoRA: 4 masks and (A, B) per linear of every layer run");
+    TORCH_CHECK(!slot_mappings.empty() && slot_mappings.size() == block_tables.size(),
+                "a slot mapping and a block table per KV cache group");
+    TORCH_CHECK(layer_groups.empty() || static_cast<int64_t>(layer_groups.size()) >= num_layers,
+                "a KV cache group per layer");
     const int64_t tokens = hidden.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
     TORCH_CHECK(num_layers <= static_cast<int64_t>(layers_.size()), "too many layers");
     c10::optional<torch::Tensor> residual;
     torch::Tensor x = hidden;
+    // norm(x + residual) (residual: the stream, None for a norm of x alone), as RMSNorm.forward
+    auto norm = [&](const torch::Tensor& value, const c10::optional<torch::Tensor>& stream,
+                    const torch::Tensor& weight) {
+      return add_rms_norm(value, stream, weight, eps_, unit_offset_);
+    };
     for (int64_t i = 0; i < num_layers; ++i) {
       const DecoderLayerWeights& layer = layers_[i];
-      auto normed = add_rms_norm(x, residual, layer.input_norm, eps_, false);
+      const int64_t group = layer_groups.empty() ? 0 : layer_groups[i];
+      TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(slot_mappings.size()),
+                  "KV cache group out of range");
+      auto normed = norm(x, residual, layer.input_norm);
       residual = normed[1];
       torch::Tensor qkv = lora.add(layer.qkv(normed[0]), normed[0], i, 0);
-      rotary_inplace(qkv, num_heads_ + num_kv_heads_, head_dim_, positions, cos_cache_,
-                     sin_cache_);
+      if (layer.q_norm)
+        rms_norm_heads_inplace(qkv, num_heads_, num_kv_heads_, *layer.q_norm, *layer.k_norm, eps_,
+                               unit_offset_);
+      rotary_inplace(qkv, num_heads_ + num_kv_heads_, head_dim_, positions, layer.cos, layer.sin);
       torch::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
       torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
       torch::Tensor v =
@@ -3487,27 +3549,37 @@ class DecoderStack {
       TORCH_CHECK(cache.size() == 2 || cache.size() == 4, "a layer's KV cache has 2 or 4 tensors");
       c10::optional<torch::Tensor> key_scale, value_scale;
       if (cache.size() == 4) key_scale = cache[2], value_scale = cache[3];
-      write_kv(cache[0], cache[1], k, v, slot_mapping, key_scale, value_scale);
-      torch::Tensor attn = paged_attention(q, cache[0], cache[1], block_table, block_rows,
-                                           seq_lens, scale, key_scale, value_scale);
+      write_kv(cache[0], cache[1], k, v, slot_mappings[group], key_scale, value_scale);
+      torch::Tensor attn = paged_attention(q, cache[0], cache[1], block_tables[group], block_rows,
+                                           seq_lens, scale_, key_scale, value_scale);
       torch::Tensor attn_rows = attn.view({tokens, q_size});
       x = lora.add(layer.o(attn_rows), attn_rows, i, 1);
-      normed = add_rms_norm(x, residual, layer.post_attention_norm, eps_, false);
+      if (layer.sandwich()) {
+        x = norm(x, c10::nullopt, layer.post_attention_norm)[0];
+        normed = norm(x, residual, *layer.pre_feedforward_norm);
+      } else {
+        normed = norm(x, residual, layer.post_attention_norm);
+      }
       residual = normed[1];
       // LoRA's delta joins the gate_up product before the activation: two steps then
       torch::Tensor activated =
           !lora.active() && layer.gate_up.gates(normed[0])
-              ? layer.gate_up.silu_mul(normed[0])
-              : silu_and_mul(lora.add(layer.gate_up(normed[0]), normed[0], i, 2));
+              ? layer.gate_up.gated(normed[0], activation_)
+              : gate_and_mul(lora.add(layer.gate_up(normed[0]), normed[0], i, 2),
+                             gate_named(activation_));
       x = lora.add(layer.down(activated), activated, i, 3);
+      if (layer.sandwich()) x = norm(x, c10::nullopt, *layer.post_feedforward_norm)[0];
     }
-    return add_rms_norm(x, residual, final_norm_, eps_, false)[0];
+    return norm(x, residual, final_norm_)[0];
   }
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
-  torch::Tensor cos_cache_, sin_cache_, final_norm_;
+  torch::Tensor final_norm_;
+  double scale_;
+  bool unit_offset_;
+  std::string activation_;
   std::vector<DecoderLayerWeights> layers_;
 };
 
@@ -3685,8 +3757,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_supported", &prefill_attention_supported);
   m.def("prefill_attention_f32_supported", &prefill_attention_f32_supported);
   py::class_<DecoderStack>(m, "DecoderStack")
-      .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
-                    torch::Tensor>())
+      .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor, double, bool,
+                    std::string>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
 }

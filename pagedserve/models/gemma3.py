@@ -11,10 +11,10 @@ What differs from llama.py, and where it lives:
                sliding_window_layers see the last sliding_window positions and rotate with
                rope_local_theta, the others see everything and rotate with rope_theta
   head         tied; logits soft-capped when final_logit_softcapping is set
-The compiled decoder stack (models/decoder_stack.py) implements only Llama's block: it never runs
-here; the layers take the compiled kernels one by one (Gemma's norms, QK-norm in place, the gated
-GELU in one pass on the codes, rotary in place). Weights keep HF names and HF's zero-centred norm
-weights (gguf_loader.py converts).
+The layers take the compiled kernels one by one (Gemma's norms, QK-norm in place, the gated GELU
+in one pass on the codes, rotary in place); small steps run the same kernels in one call, the
+compiled decoder stack (models/decoder_stack.py), where it applies. Weights keep HF names and
+HF's zero-centred norm weights (gguf_loader.py converts).
 """
 
 from __future__ import annotations
@@ -149,8 +149,7 @@ class Gemma3Model(StagedDecoder):
         self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
         self.norm = (GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
                      if self.is_last_stage else None)
-        self.fused_decoder_layers = False
-        """The compiled decoder stack implements Llama's block only (read by the profiler)."""
+        self.init_decoder_stack(config, kernels)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale

@@ -195,13 +195,54 @@ class StagedDecoder(nn.Module):
     final norm while the others hand their hidden states on. Subclasses hold the attributes
     (is_first_stage, is_last_stage, start_layer, end_layer, embed_tokens, layers, norm)."""
 
+    fused_decoder_layers = False
+    """Run steps of at most FUSED_MAX_TOKENS tokens as one compiled DecoderStack call where it
+    applies (models/decoder_stack.py; set by init_decoder_stack); the profiler turns it off to
+    time the modules."""
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def init_decoder_stack(self, config: ModelConfig, kernels: ModuleType | None) -> None:
+        """For a family whose blocks the compiled DecoderStack implements (decoder_stack.py
+        `implements`): small steps then run as one call where it applies."""
+        self._kernels = kernels
+        self.fused_decoder_layers = (
+            kernels is not None and cpu_ops.build_config().fused_decoder_layers
+        )
+        self._stack: object | None | bool = False
+        """The compiled DecoderStack for small steps: False until first asked, None if it does
+        not apply (models/decoder_stack.py)."""
+        windows = [w for i in range(config.num_hidden_layers)
+                   if (w := config.layer_sliding_window(i)) is not None]
+        self._smallest_window = min(windows, default=None)
+        """The stack's kernels know no windows: it serves only steps whose sequences all fit in
+        every layer's window (where a window changes nothing)."""
+
+    def invalidate_decoder_stack(self) -> None:
+        """Build the stack again on its next use (it copies what it reads from the layers)."""
+        self._stack = False
+
+    def _decoder_stack(self) -> object | None:
+        if self._stack is False:  # built on first use: the weights are final by then
+            self._stack = build_decoder_stack(self, self._kernels)
+        return self._stack
+
     def run_fused(self, hidden_states: torch.Tensor, positions: torch.Tensor, end_layer: int,
                   num_tokens: int) -> torch.Tensor | None:
-        """The whole step's normed output by a fused path, or None where none applies."""
-        return None
+        """The compiled decoder stack's output where it serves the step (models/decoder_stack.py)."""
+        stack = self._decoder_stack() if self.fused_decoder_layers else None
+        if stack is None or num_tokens > FUSED_MAX_TOKENS:
+            return None
+        lora_step = get_lora_step()
+        # The stack runs LoRA in its masked form only (lora/worker_manager.py picks it for
+        # steps of at most FUSED_MAX_TOKENS tokens, or mixing adapters).
+        if lora_step is not None and lora_step.token_slots is None:
+            return None
+        meta = get_forward_context()
+        if self._smallest_window is not None and max(meta.seq_lens) > self._smallest_window:
+            return None
+        return run_decoder_stack(stack, hidden_states, positions, meta, end_layer, lora_step)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -262,47 +303,7 @@ class LlamaModel(StagedDecoder):
             RMSNorm(config.hidden_size, config.rms_norm_eps, kernels) if self.is_last_stage
             else None
         )
-        self._kernels = kernels
-        self.fused_decoder_layers = (
-            kernels is not None and cpu_ops.build_config().fused_decoder_layers
-        )
-        """Run steps of at most FUSED_MAX_TOKENS tokens as one compiled DecoderStack call where
-        it applies (models/decoder_stack.py); the profiler turns it off to time the modules."""
-        self._stack: object | None | bool = False
-        """The compiled DecoderStack for small steps: False until first asked, None if it does
-        not apply (models/decoder_stack.py)."""
-        windows = [w for i in range(config.num_hidden_layers)
-                   if (w := config.layer_sliding_window(i)) is not None]
-        self._smallest_window = min(windows, default=None)
-        """The stack's kernels know no windows: it serves only steps whose sequences all fit in
-        every layer's window (where a window changes nothing)."""
-
-    def invalidate_decoder_stack(self) -> None:
-        """Build the stack again on its next use (it copies what it reads from the layers)."""
-        self._stack = False
-
-    def _decoder_stack(self) -> object | None:
-        if self._stack is False:  # built on first use: the weights are final by then
-            self._stack = build_decoder_stack(self, self._kernels)
-        return self._stack
-
-    def run_fused(self, hidden_states: torch.Tensor, positions: torch.Tensor, end_layer: int,
-                  num_tokens: int) -> torch.Tensor | None:
-        """The compiled decoder stack's output where it serves the step (models/decoder_stack.py)."""
-        stack = self._decoder_stack() if self.fused_decoder_layers else None
-        if stack is None or num_tokens > FUSED_MAX_TOKENS:
-            return None
-        lora_step = get_lora_step()
-        # The stack runs LoRA in its masked form only (lora/worker_manager.py picks it for
-        # steps of at most FUSED_MAX_TOKENS tokens, or mixing adapters).
-        if lora_step is not None and lora_step.token_slots is None:
-            return None
-        meta = get_forward_context()
-        if self._smallest_window is not None and max(meta.seq_lens) > self._smallest_window:
-            return None
-        if meta.other_groups:  # the stack reads one block table for every layer
-            return None
-        return run_decoder_stack(stack, hidden_states, positions, meta, end_layer, lora_step)
+        self.init_decoder_stack(config, kernels)
 
 
 class LlamaForCausalLM(nn.Module):

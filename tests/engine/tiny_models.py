@@ -52,10 +52,12 @@ GEMMA3_SLIDING_WINDOW = 8
 """Shorter than the tests' prompts, so the windowed layer masks part of every long one."""
 
 
-def write_tiny_gemma3(path: Path, tokenizer, seed: int = 0) -> tuple[str, object]:
-    """A random Gemma 3 (512 token ids): a windowed layer (window 8) and a global one, a score
-    scale that is not head_dim's, logit softcapping, and norm weights away from zero (Gemma scales
-    by 1 + weight). Returns the directory and the transformers model (fp32, eval)."""
+def write_tiny_gemma3(path: Path, tokenizer, seed: int = 0,
+                      sliding_window: int = GEMMA3_SLIDING_WINDOW) -> tuple[str, object]:
+    """A random Gemma 3 (512 token ids): a windowed layer (window 8 by default) and a global one,
+    a score scale that is not head_dim's, logit softcapping, and norm weights away from zero
+    (Gemma scales by 1 + weight). Returns the directory and the transformers model (fp32,
+    eval)."""
     import torch
     import transformers
 
@@ -63,7 +65,7 @@ def write_tiny_gemma3(path: Path, tokenizer, seed: int = 0) -> tuple[str, object
     config = transformers.Gemma3TextConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        initializer_range=0.3, sliding_window=GEMMA3_SLIDING_WINDOW,
+        initializer_range=0.3, sliding_window=sliding_window,
         layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
         final_logit_softcapping=30.0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

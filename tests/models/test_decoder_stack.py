@@ -42,7 +42,7 @@ def _generate(llm, prompts, max_tokens=24, lora_request=None):
 
 def _modules_only(llm, monkeypatch) -> None:
     """Turn the stack off for `llm`'s model: every step runs the Python modules."""
-    model = llm.engine.executor.worker.model_runner.model.model  # the LlamaModel
+    model = llm.engine.executor.worker.model_runner.model.model  # the decoder (StagedDecoder)
     assert model.fused_decoder_layers
     monkeypatch.setattr(model, "fused_decoder_layers", False)
 
@@ -121,21 +121,101 @@ def test_stack_equals_modules_in_speculative_steps(make_llm, monkeypatch, stack_
     assert _generate(llm, [prompt], max_tokens=40) == fused
 
 
-def test_stack_equals_modules_on_qwen(monkeypatch, stack_calls):
-    """Qwen2.5 (q/k/v biases, head_dim 64, untied head), when its chunk packages are installed
-    (CI lacks them). Its Q4_K_M file keeps some layers in Q6_K, which the kernel does not take, so
-    the stack only applies with every weight quantized on load (int8 here)."""
-    from pagedserve.engine.llm import LLM
+def _installed_model(name: str) -> str:
     from pagedserve.models.loader import resolve_model_path
 
     try:
-        path = resolve_model_path("qwen2.5-coder-0.5b")
+        return resolve_model_path(name)
     except Exception as e:  # not installed
-        pytest.skip(f"Qwen2.5-Coder-0.5B is not installed: {e}")
-    llm = LLM(model=path, dtype="bfloat16", quantization="int8", enable_prefix_caching=False,
-              kv_cache_memory="256MiB")
+        pytest.skip(f"{name} is not installed: {e}")
+
+
+def _dense_linears(llm) -> int:
+    """How many of the model's projections hold dense weights (no codes the kernel takes)."""
+    from pagedserve.layers.linear import Linear
+
+    model = llm.engine.executor.worker.model_runner.model
+    return sum(1 for m in model.modules() if isinstance(m, Linear) and m.packed is None
+               and m.weight is not None and "embed" not in type(m).__name__.lower())
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+def test_stack_equals_modules_on_qwen(monkeypatch, stack_calls, quantization):
+    """Qwen2.5 (q/k/v biases, head_dim 64, untied head), when its chunk packages are installed
+    (CI lacks them). Its Q4_K_M file keeps some layers in Q6_K, which the codes' layout does not
+    hold: those the stack multiplies dense, as Linear does ("auto"); "int8": every weight
+    quantized on load."""
+    from pagedserve.engine.llm import LLM
+
+    path = _installed_model("qwen2.5-coder-0.5b")
+    llm = LLM(model=path, dtype="bfloat16", quantization=quantization,
+              enable_prefix_caching=False, kv_cache_memory="256MiB")
+    assert (_dense_linears(llm) > 0) == (quantization == "auto")
     prompts = ["<|im_start|>user\nWrite a Python function that adds two numbers.<|im_end|>\n"
                "<|im_start|>assistant\n", "def fibonacci(n):"]
+    fused = _generate(llm, prompts)
+    assert stack_calls
+    _modules_only(llm, monkeypatch)
+    assert _generate(llm, prompts) == fused
+    llm.engine.assert_idle()
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_wide_window(tmp_path_factory, tokenizer):
+    """A tiny Gemma 3 whose window (64) holds the prompts and their tokens: the stack serves."""
+    from tests.engine.tiny_models import write_tiny_gemma3
+
+    return write_tiny_gemma3(tmp_path_factory.mktemp("gemma3_wide"), tokenizer, sliding_window=64)
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [
+    ("float32", "auto"),  # dense weights (an HF checkpoint): F.linear
+    ("bfloat16", "auto"),  # dense weights: dense_rows (AVX512-BF16), else F.linear
+    ("bfloat16", "int8"),  # codes, the GELU gating in one pass
+])
+def test_stack_equals_modules_on_tiny_gemma3(tiny_gemma3_wide_window, monkeypatch, dtype,
+                                             quantization):
+    """Gemma 3's block in the stack: four norms in Gemma's form, QK-norm, GELU gating, the
+    windowed layer's own rotary table and its own KV cache group (block table and slots); the
+    same tokens and logprobs as the modules, exactly."""
+    from pagedserve.engine.llm import LLM
+    from pagedserve.models import llama as llama_module
+
+    metas = []
+    real_run = llama_module.run_decoder_stack
+    monkeypatch.setattr(llama_module, "run_decoder_stack",
+                        lambda *args: metas.append(args[3]) or real_run(*args))
+    llm = LLM(model=tiny_gemma3_wide_window[0], dtype=dtype, quantization=quantization,
+              kv_cache_memory="16MiB", max_num_seqs=8, enable_prefix_caching=False)
+    assert (_dense_linears(llm) > 0) == (quantization == "auto")
+    prompts = [{"prompt_token_ids": p} for p in (list(range(100, 130)), [5, 17, 300, 42] * 5,
+                                                  [7] * 3, list(range(20, 45)))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+
+    def generate():
+        outputs = llm.generate(prompts, params)
+        return [(o.outputs[0].token_ids,
+                 [pos[t].logprob for pos, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outputs]
+
+    fused = generate()
+    assert metas and all(meta.other_groups for meta in metas)  # the windowed layer's own group
+    _modules_only(llm, monkeypatch)
+    metas.clear()
+    assert generate() == fused
+    assert not metas
+    llm.engine.assert_idle()
+
+
+def test_stack_equals_modules_on_gemma3(monkeypatch, stack_calls):
+    """Gemma-3-270M's Q4_K_M file (Q5_0 and Q8_0 codes, Q6_K dense layers), when its chunk
+    packages are installed (CI lacks them)."""
+    from pagedserve.engine.llm import LLM
+
+    llm = LLM(model=_installed_model("gemma3-270m"), enable_prefix_caching=False,
+              kv_cache_memory="256MiB")
+    assert _dense_linears(llm) > 0
+    prompts = ["The capital of France is", "Once upon a time"]
     fused = _generate(llm, prompts)
     assert stack_calls
     _modules_only(llm, monkeypatch)
