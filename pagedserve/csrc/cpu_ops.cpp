@@ -424,7 +424,6 @@ inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* s
   const int64_t groups = k / kGroup;
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, groups - g0));
-    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
     const float* xg = x + g0 * kGroup;
     __m512 parts[16];  // per group: its |x| maxima, then its codes' sums (groups past n: 0)
     for (int j = 0; j < 16; ++j) parts[j] = _mm512_setzero_ps();
@@ -453,21 +452,15 @@ inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* s
     }
     const __m512i qsum = _mm512_castps_si512(reduce_16_registers(parts, add_op));
     const __m512 dx = _mm512_div_ps(amax, max_code);
-    if (scale_stride == 1) {
-      _mm512_mask_storeu_ps(scale + g0, lanes, dx);
-      _mm512_mask_storeu_ps(sum + g0, lanes, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(qsum)));
-      _mm512_mask_storeu_epi32(qsums + g0, lanes, qsum);
-    } else {
-      alignas(64) float dxs[16], sums[16];
-      alignas(64) int32_t qs[16];
-      _mm512_store_ps(dxs, dx);
-      _mm512_store_ps(sums, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(qsum)));
-      _mm512_store_si512(qs, qsum);
-      for (int j = 0; j < n; ++j) {
-        scale[(g0 + j) * scale_stride] = dxs[j];
-        sum[(g0 + j) * scale_stride] = sums[j];
-        qsums[(g0 + j) * scale_stride] = qs[j];
-      }
+    alignas(64) float dxs[16], sums[16];
+    alignas(64) int32_t qs[16];
+    _mm512_store_ps(dxs, dx);
+    _mm512_store_ps(sums, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(qsum)));
+    _mm512_store_si512(qs, qsum);
+    for (int j = 0; j < n; ++j) {  // scale_stride apart (the activation tiles' layout)
+      scale[(g0 + j) * scale_stride] = dxs[j];
+      sum[(g0 + j) * scale_stride] = sums[j];
+      qsums[(g0 + j) * scale_stride] = qs[j];
     }
   }
 #else
@@ -3367,14 +3360,13 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
 // on the CPU for such a step (the kernels above, in the same order and dtypes), so its output is
 // bitwise equal to theirs: tests/models/test_decoder_stack.py checks that.
 
-// A projection as Linear._linear runs it: by its packed codes, or, in a layer loaded from GGUF
-// codes in bf16, for inputs of more than packed_max_rows rows by torch's matmul on its weights
-// dequantized (dequantize_linear: the dense weights' product, with none held).
-// One linear of a layer as Linear.forward multiplies it (layers/linear.py): by its GGUF codes
-// (codes defined), or by its dense weight (a GGUF type the codes' layout cannot hold, such as
-// Q6_K): dense_rows up to dense_rows_max rows where the layer uses that kernel (0: it does
-// not), F.linear otherwise.
-struct PackedLinear {
+// A projection as Linear._linear runs it (layers/linear.py): by its packed codes (codes defined),
+// or, in a layer loaded from GGUF codes in bf16, for inputs of more than packed_max_rows rows by
+// torch's matmul on its weights dequantized (dequantize_linear: the dense weights' product, with
+// none held); or by its dense weight (a GGUF type the codes' layout cannot hold, such as Q6_K):
+// dense_rows up to dense_rows_max rows where the layer uses that kernel (0: it does not),
+// F.linear otherwise.
+struct StackLinear {
   torch::Tensor codes, scales, mins;
   c10::optional<torch::Tensor> bias;
   int64_t out_features, bits, activation_bits;
@@ -3406,9 +3398,9 @@ struct PackedLinear {
     return !dense() && !(dense_above_max_rows && x.size(0) > packed_max_rows) &&
            activation_bits != 32 && !bias && out_features % 32 == 0;
   }
-  torch::Tensor gated(const torch::Tensor& x, const std::string& activation) const {
-    return quant_linear_gated(x, codes, scales, mins, out_features, bits, activation_bits,
-                              activation, outlier_channels, outlier_weights);
+  torch::Tensor gated(const torch::Tensor& x, Gate gating) const {
+    return quant_linear_product(x, codes, scales, mins, out_features, bits, activation_bits,
+                                c10::nullopt, outlier_channels, outlier_weights, gating);
   }
 };
 
@@ -3419,7 +3411,7 @@ struct PackedLinear {
 // projection. cos / sin: the layer's rotary tables (Gemma's local layers rotate with their own).
 struct DecoderLayerWeights {
   torch::Tensor input_norm, post_attention_norm;
-  PackedLinear qkv, o, gate_up, down;
+  StackLinear qkv, o, gate_up, down;
   c10::optional<torch::Tensor> q_norm, k_norm, pre_feedforward_norm, post_feedforward_norm;
   torch::Tensor cos, sin;
 
@@ -3452,14 +3444,13 @@ class DecoderStack {
                torch::Tensor final_norm, double scale, bool unit_offset, std::string activation)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
         final_norm_(final_norm), scale_(scale), unit_offset_(unit_offset),
-        activation_(std::move(activation)) {
-    gate_named(activation_);  // checks the name
-  }
+        gating_(gate_named(activation)) {}
 
   // linears: (codes, scales, mins, bias or None, out_features, bits, activation_bits,
   // dense_above_max_rows, packed_max_rows, outlier_channels or None, outlier_weights or None)
-  // each, or a dense one: (weight, bias or None, dense_rows_max); cos / sin: the layer's rotary tables; q_norm, k_norm: its QK-norm (or None);
-  // pre / post_feedforward_norm: Gemma's sandwich norms (both or neither).
+  // each, or a dense one: (weight, bias or None, dense_rows_max). cos / sin: the layer's rotary
+  // tables; q_norm, k_norm: its QK-norm (or None); pre / post_feedforward_norm: Gemma's sandwich
+  // norms (both or neither).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
                  const std::vector<py::tuple>& linears, torch::Tensor cos, torch::Tensor sin,
                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
@@ -3469,14 +3460,14 @@ class DecoderStack {
     TORCH_CHECK(pre_feedforward_norm.has_value() == post_feedforward_norm.has_value(),
                 "the sandwich form needs both feed-forward norms");
     TORCH_CHECK(linears.size() == 4, "qkv, o, gate_up, down");
-    std::vector<PackedLinear> parsed;
+    std::vector<StackLinear> parsed;
     for (const auto& l : linears) {
       auto optional_tensor = [&](int i) -> c10::optional<torch::Tensor> {
         if (l[i].is_none()) return c10::nullopt;
         return l[i].cast<torch::Tensor>();
       };
       if (l.size() == 3) {
-        PackedLinear dense{};
+        StackLinear dense{};
         dense.weight = l[0].cast<torch::Tensor>();
         dense.bias = optional_tensor(1);
         dense.out_features = dense.weight.size(0);
@@ -3486,7 +3477,7 @@ class DecoderStack {
       }
       TORCH_CHECK(l.size() == 11, "a packed linear is 11 fields, a dense one 3");
       const c10::optional<torch::Tensor> bias = optional_tensor(3);
-      parsed.push_back(PackedLinear{l[0].cast<torch::Tensor>(), l[1].cast<torch::Tensor>(),
+      parsed.push_back(StackLinear{l[0].cast<torch::Tensor>(), l[1].cast<torch::Tensor>(),
                                     l[2].cast<torch::Tensor>(), bias, l[4].cast<int64_t>(),
                                     l[5].cast<int64_t>(), l[6].cast<int64_t>(),
                                     l[7].cast<bool>(), l[8].cast<int64_t>(),
@@ -3564,9 +3555,8 @@ class DecoderStack {
       // LoRA's delta joins the gate_up product before the activation: two steps then
       torch::Tensor activated =
           !lora.active() && layer.gate_up.gates(normed[0])
-              ? layer.gate_up.gated(normed[0], activation_)
-              : gate_and_mul(lora.add(layer.gate_up(normed[0]), normed[0], i, 2),
-                             gate_named(activation_));
+              ? layer.gate_up.gated(normed[0], gating_)
+              : gate_and_mul(lora.add(layer.gate_up(normed[0]), normed[0], i, 2), gating_);
       x = lora.add(layer.down(activated), activated, i, 3);
       if (layer.sandwich()) x = norm(x, c10::nullopt, *layer.post_feedforward_norm)[0];
     }
@@ -3579,7 +3569,7 @@ class DecoderStack {
   torch::Tensor final_norm_;
   double scale_;
   bool unit_offset_;
-  std::string activation_;
+  Gate gating_;
   std::vector<DecoderLayerWeights> layers_;
 };
 

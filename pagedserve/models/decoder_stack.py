@@ -55,7 +55,7 @@ def _linears(layer) -> list[Linear]:
             layer.mlp.down_proj]
 
 
-def _packed_args(linear: Linear) -> tuple | None:
+def _stack_linear_args(linear: Linear) -> tuple | None:
     """The linear as DecoderStack.add_layer takes it: its codes (and how Linear multiplies by
     them), or its dense weight (a GGUF type the codes' layout cannot hold, such as Q6_K) with the
     row count up to which Linear uses the dense_rows kernel (0: it does not); None where Linear
@@ -107,18 +107,20 @@ def build_decoder_stack(model, kernels: ModuleType | None) -> object | None:
         first.mlp.activation,
     )
     for layer in model.layers:
-        linears = [_packed_args(linear) for linear in _linears(layer)]
+        linears = [_stack_linear_args(linear) for linear in _linears(layer)]
         if any(args is None for args in linears):
             return None
         attn = layer.self_attn
-        sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma 3's block
+
+        def weight(norm):  # an optional norm's weight (QK-norm, Gemma 3's sandwich norms)
+            return norm.weight if norm is not None else None
+
         stack.add_layer(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, linears,
             attn.rotary_emb.cos_cache, attn.rotary_emb.signed_sin_cache,
-            attn.q_norm.weight if attn.q_norm is not None else None,
-            attn.k_norm.weight if attn.k_norm is not None else None,
-            layer.pre_feedforward_layernorm.weight if sandwich else None,
-            layer.post_feedforward_layernorm.weight if sandwich else None,
+            weight(attn.q_norm), weight(attn.k_norm),
+            weight(getattr(layer, "pre_feedforward_layernorm", None)),
+            weight(getattr(layer, "post_feedforward_layernorm", None)),
         )
     return stack
 

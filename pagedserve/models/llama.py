@@ -230,7 +230,8 @@ class StagedDecoder(nn.Module):
 
     def run_fused(self, hidden_states: torch.Tensor, positions: torch.Tensor, end_layer: int,
                   num_tokens: int) -> torch.Tensor | None:
-        """The compiled decoder stack's output where it serves the step (models/decoder_stack.py)."""
+        """The compiled decoder stack's output where it serves the step
+        (models/decoder_stack.py)."""
         stack = self._decoder_stack() if self.fused_decoder_layers else None
         if stack is None or num_tokens > FUSED_MAX_TOKENS:
             return None
