@@ -17,8 +17,13 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -356,25 +361,28 @@ class RawArray {
 // are one moving pointer plus constants. Row-major, 8 rows' pointers and their scales' did not
 // fit the 15 general registers and the compiler spilled them, two dozen stack loads and stores
 // per group in the innermost loop. Without VNNI ([rows][K] and [rows][G]) a tile is any rows.
+// The AMX kernel (amx_int8.h) takes tiles of 16 rows, the rows padded to whole tiles with zeros.
 #ifdef PAGEDSERVE_VNNI
 constexpr int64_t kActivationTile = 8;  // = kRowTile (quant_linear_impl's tiles of rows)
 #else
 constexpr int64_t kActivationTile = 1;  // row-major
 #endif
 
-// Where row r's groups go in the layout above: its first group's codes at q_offset (later
-// groups q_stride elements apart), its first scale at scale_offset (later ones scale_stride).
+// Where row r's groups go in the layout above (tiles of `tile` rows): its first group's codes at
+// q_offset (later groups q_stride elements apart), its first scale at scale_offset (later ones
+// scale_stride).
 struct ActivationPlace {
   int64_t q_offset, q_stride, scale_offset, scale_stride;
 };
-inline ActivationPlace activation_place(int64_t r, int64_t rows, int64_t k) {
-  const int64_t first = r - r % kActivationTile;
-  const int64_t count = std::min(kActivationTile, rows - first), i = r - first;
+inline ActivationPlace activation_place(int64_t r, int64_t rows, int64_t k, int64_t tile) {
+  const int64_t first = r - r % tile;
+  const int64_t count = std::min(tile, rows - first), i = r - first;
   return {first * k + i * kGroup, count * kGroup, first * (k / kGroup) + i, count};
 }
 
 template <typename Q>
 struct QuantizedRows {
+  int64_t tile;           // rows per tile of the layout (kActivationTile, or the AMX kernel's 16)
   RawArray<Q> q;          // rows x K: the codes xq
   RawArray<float> scale;  // rows x G: dx
   RawArray<float> sum;    // rows x G: xsum (see above)
@@ -495,22 +503,31 @@ struct OutlierChannels {
   int64_t count = 0, stride = 0;
 };
 
+// x's rows quantized into the layout above, in tiles of `tile` rows; with tile > kActivationTile
+// (the AMX kernel's) the rows are padded to whole tiles by rows of zeros (codes, scales and sums
+// 0: they add nothing, and nobody reads their results).
 template <typename Q, typename T>
 QuantizedRows<Q> quantize_rows(const T* x, int64_t rows, int64_t k,
-                               const OutlierChannels& outliers = {}) {
+                               const OutlierChannels& outliers = {},
+                               int64_t tile = kActivationTile) {
   const int64_t groups = k / kGroup;
-  QuantizedRows<Q> out{RawArray<Q>(rows * k), RawArray<float>(rows * groups),
-                       RawArray<float>(rows * groups), RawArray<int32_t>(rows * groups),
-                       RawArray<float>(rows * outliers.count)};
-  parallel_ranges(rows, 16, [&](int64_t begin, int64_t end) {
+  const int64_t stored = tile > kActivationTile ? (rows + tile - 1) / tile * tile : rows;
+  QuantizedRows<Q> out{tile, RawArray<Q>(stored * k), RawArray<float>(stored * groups),
+                       RawArray<float>(stored * groups), RawArray<int32_t>(stored * groups),
+                       RawArray<float>(stored * outliers.count)};
+  parallel_ranges(stored, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(k);
     for (int64_t r = begin; r < end; ++r) {
-      widen_row(x + r * k, row.data(), k);
+      if (r < rows) {
+        widen_row(x + r * k, row.data(), k);
+      } else {
+        std::fill(row.begin(), row.end(), 0.f);
+      }
       for (int64_t j = 0; j < outliers.count; ++j) {
         out.outlier_x[r * outliers.count + j] = row[outliers.channels[j]];
         row[outliers.channels[j]] = 0.f;
       }
-      const ActivationPlace place = activation_place(r, rows, k);
+      const ActivationPlace place = activation_place(r, stored, k, tile);
       quantize_row(row.data(), k, out.q.data() + place.q_offset,
                    out.scale.data() + place.scale_offset, out.sum.data() + place.scale_offset,
                    out.qsum.data() + place.scale_offset, place.q_stride, place.scale_stride);
@@ -804,6 +821,7 @@ void vnni_rows(int rows, const uint8_t* codes, const S* scales, const S* mins,
 }
 
 constexpr int64_t kRowTile = 8;
+constexpr int64_t kTileRowsMax = 16;  // the most rows any kernel below takes at a time
 static_assert(kActivationTile == 1 || kActivationTile == kRowTile, "vnni_block's tiles");
 constexpr int64_t kRowChunk = 128;  // rows whose quantized activations stay in L2 across blocks
 
@@ -838,6 +856,9 @@ inline void widen_to_bytes(const uint8_t* codes, int64_t groups, uint8_t* panel)
 #endif
   }
 }
+
+#include "amx_int8.h"
+static_assert(kTileRows <= kTileRowsMax, "quant_linear_impl's tile buffer");
 
 // Store up to 16 fp32 values in the output dtype (bf16: round to nearest even).
 inline void store_row(const float* src, float* dst, int64_t count) {
@@ -1104,7 +1125,10 @@ void gate_mul_row(Gate gating, const T* gate, const T* up, T* out, int64_t f) {
 template <int kBits, typename Q, typename S, typename T>
 void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, const uint8_t* codes,
                        const S* scales, const S* mins, const T* bias, int64_t n, T* y,
-                       const OutlierChannels& outliers, Gate gating = Gate::kNone) {
+                       const OutlierChannels& outliers, Gate gating, Int8Tiles tiles) {
+  // tiles: the AMX kernel (or its model) takes every tile of rows, quantized in its layout
+  TORCH_CHECK((tiles == Int8Tiles::kOff) == (xr.tile == kActivationTile),
+              "quant_linear: the rows' layout does not match the kernel");
   const int64_t groups = k / kGroup;
   const int64_t blocks = (n + 15) / 16;
   const int64_t block_code_bytes = groups * kBits * 64;
@@ -1122,10 +1146,27 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
     const int64_t chunk_end = std::min(rows, chunk + kRowChunk);
     const bool panels = kIntegerPanels && std::is_same_v<Q, int16_t> &&
                         chunk_end - chunk >= kPanelMinRows;
-    const int64_t row_tile = panels ? kPanelTile : kRowTile;
-    const bool byte_panel = kBits == 5 && !panels && chunk_end - chunk >= kBytePanelMinRows;
-    alignas(64) float tile[kRowTile * 16];
+    const bool on_tiles = tiles != Int8Tiles::kOff;
+    const int64_t row_tile = on_tiles ? kTileRows : panels ? kPanelTile : kRowTile;
+    // tiles: 4- and 5-bit codes widened to bytes once per block (the tiles load bytes)
+    const bool byte_panel =
+        on_tiles ? kBits != 8 : kBits == 5 && !panels && chunk_end - chunk >= kBytePanelMinRows;
+    alignas(64) float tile[kTileRowsMax * 16];
     RawArray<uint8_t> byte_codes(byte_panel ? groups * 8 * 64 : 0);
+#ifdef PAGEDSERVE_AMX_INT8
+    // the tile state is the thread's: configured for this piece, released after it
+    struct TileSession {
+      Int8Tiles tiles;
+      explicit TileSession(Int8Tiles t) : tiles(t) {
+        if (tiles == Int8Tiles::kHardware) HardwareTiles::configure(kernel_tile_config());
+        if (tiles == Int8Tiles::kModel) TileModel::configure(kernel_tile_config());
+      }
+      ~TileSession() {
+        if (tiles == Int8Tiles::kHardware) HardwareTiles::release();
+        if (tiles == Int8Tiles::kModel) TileModel::release();
+      }
+    } tile_session(tiles);
+#endif
     // gated: the chunk's gate values of the item, rounded to T, until its up block comes
     RawArray<T> gates(gated ? kRowChunk * 16 : 0);
     T up[16];
@@ -1143,10 +1184,27 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
 #ifdef PAGEDSERVE_AVX2_INTEGER
       if (panels) widen_panel<kBits>(codes + b * block_code_bytes, groups, panel);
 #endif
-      if (byte_panel) widen_to_bytes(codes + b * block_code_bytes, groups, byte_codes.data());
+      if (byte_panel) {
+#ifdef PAGEDSERVE_AMX_INT8
+        if (on_tiles && kBits == 4)
+          widen_codes_to_bytes<4>(codes + b * block_code_bytes, groups, byte_codes.data());
+        else
+#endif
+          widen_to_bytes(codes + b * block_code_bytes, groups, byte_codes.data());
+      }
       for (int64_t r = chunk; r < chunk_end; r += row_tile) {
         const int tile_rows = static_cast<int>(std::min(row_tile, chunk_end - r));
-        if (panels) {
+        if (on_tiles) {
+#ifdef PAGEDSERVE_AMX_INT8
+          if constexpr (std::is_same_v<Q, int8_t>) {
+            const uint8_t* weights = byte_panel ? byte_codes.data() : codes + b * block_code_bytes;
+            const auto run = tiles == Int8Tiles::kHardware ? amx_block<HardwareTiles, S>
+                                                           : amx_block<TileModel, S>;
+            run(weights, block_scales, block_mins, groups, xr.q.data() + r * k,
+                xr.scale.data() + r * groups, xr.sum.data() + r * groups, tile);
+          }
+#endif
+        } else if (panels) {
 #ifdef PAGEDSERVE_AVX2_INTEGER
           if constexpr (std::is_same_v<Q, int16_t>)
             panel_tile<S>(tile_rows, panel, block_scales, block_mins, groups,
@@ -1163,9 +1221,9 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
                                  xr.scale.data() + r * groups, xr.sum.data() + r * groups,
                                  xr.qsum.data() + r * groups, k, tile);
         }
-        if (outliers.count)
-          add_outliers(outliers, xr.outlier_x.data() + r * outliers.count, tile_rows, col0,
-                       tile);
+        for (int h = 0; outliers.count && h < tile_rows; h += kRowTile)  // 8 rows at a time
+          add_outliers(outliers, xr.outlier_x.data() + (r + h) * outliers.count,
+                       std::min<int>(kRowTile, tile_rows - h), col0, tile + h * 16);
         for (int i = 0; i < tile_rows; ++i) emit(r + i, tile + i * 16);
       }
     };
@@ -1212,16 +1270,24 @@ void with_layout_types(int64_t bits, const torch::Tensor& scales, const torch::T
   }
 }
 
+// tiles_mode: the int8 tiles' kernel where they apply (int8 rows, whole tiles of them).
 template <typename Q, typename T>
 void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
                            const uint8_t* codes, const torch::Tensor& scales,
                            const torch::Tensor& mins, const T* bias, int64_t n, T* y,
-                           const OutlierChannels& outliers, Gate gating) {
-  const QuantizedRows<Q> xr = quantize_rows<Q>(x, rows, k, outliers);
+                           const OutlierChannels& outliers, Gate gating,
+                           Int8Tiles tiles_mode = int8_tiles_mode.load(std::memory_order_relaxed)) {
+  Int8Tiles tiles = Int8Tiles::kOff;
+#ifdef PAGEDSERVE_AMX_INT8
+  if (std::is_same_v<Q, int8_t> && rows >= kTileMinRows) tiles = tiles_mode;
+#endif
+  if (tiles != Int8Tiles::kOff) int8_tile_products.fetch_add(1, std::memory_order_relaxed);
+  const QuantizedRows<Q> xr = quantize_rows<Q>(
+      x, rows, k, outliers, tiles != Int8Tiles::kOff ? kTileRows : kActivationTile);
   with_layout_types(bits, scales, mins, [&](auto width, auto* s, auto* m) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
     quant_linear_impl<decltype(width)::value, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y,
-                                                       outliers, gating);
+                                                       outliers, gating, tiles);
   });
 }
 
@@ -1756,6 +1822,107 @@ torch::Tensor quant_linear_gated(torch::Tensor x, torch::Tensor codes, torch::Te
                                  c10::optional<torch::Tensor> outlier_weights) {
   return quant_linear_product(x, codes, scales, mins, n, bits, activation_bits, c10::nullopt,
                               outlier_channels, outlier_weights, gate_named(activation));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The int8 tiles (amx_int8.h), chosen once by the kernels' loader (pagedserve/kernels/cpu_ops.py).
+
+// Why `tiles` disagree with vnni_block ("" when every bit agrees): one product per code width,
+// 40 rows (the last tile padded), 5 groups (a partial set of slots) and 3 column blocks.
+std::string tiles_disagreement(Int8Tiles tiles) {
+  constexpr int64_t rows = 40, k = 5 * kGroup, n = 48, blocks = n / 16, groups = k / kGroup;
+  uint32_t state = 0x9E3779B9u;
+  auto next = [&state] { return (state = state * 1664525u + 1013904223u) >> 8; };
+  torch::Tensor x = torch::empty({rows, k}, torch::kFloat32);
+  for (int64_t i = 0; i < x.numel(); ++i)
+    x.data_ptr<float>()[i] = static_cast<float>(static_cast<int>(next() % 2001) - 1000) / 250.f;
+  for (int64_t bits : {4, 5, 8}) {
+    torch::Tensor codes = torch::empty({blocks * groups * bits * 64}, torch::kUInt8);
+    for (int64_t i = 0; i < codes.numel(); ++i) codes.data_ptr<uint8_t>()[i] = next() & 0xFF;
+    torch::Tensor scales = torch::empty({blocks * groups * 16}, torch::kFloat32);
+    torch::Tensor mins = torch::empty_like(scales);
+    for (int64_t i = 0; i < scales.numel(); ++i) {
+      scales.data_ptr<float>()[i] = static_cast<float>(next() % 1000 + 1) / 65536.f;
+      mins.data_ptr<float>()[i] = -static_cast<float>(next() % 1000) / 8192.f;
+    }
+    torch::Tensor expected = torch::empty({rows, n}), got = torch::empty({rows, n});
+    const auto* c = codes.data_ptr<uint8_t>();
+    quant_linear_dispatch<int8_t, float>(x.data_ptr<float>(), rows, k, bits, c, scales, mins,
+                                         nullptr, n, expected.data_ptr<float>(), {}, Gate::kNone,
+                                         Int8Tiles::kOff);
+    quant_linear_dispatch<int8_t, float>(x.data_ptr<float>(), rows, k, bits, c, scales, mins,
+                                         nullptr, n, got.data_ptr<float>(), {}, Gate::kNone, tiles);
+    if (std::memcmp(expected.data_ptr<float>(), got.data_ptr<float>(), rows * n * sizeof(float)))
+      return "the tiles' product differs from the VNNI kernel's (" + std::to_string(bits) +
+             "-bit codes)";
+  }
+  return "";
+}
+
+// mode "amx": the AMX tiles, where this process can run them and they pass the check above;
+// "model": the instructions' model (tests); "off": vnni_block for every row count. Returns why
+// the tiles are off ("" when the mode asked for is in force).
+std::string set_int8_tiles(const std::string& mode) {
+  TORCH_CHECK(mode == "amx" || mode == "model" || mode == "off",
+              "int8 tiles: mode must be amx, model or off, not ", mode);
+  int8_tiles_mode.store(Int8Tiles::kOff);
+  if (mode == "off") return "";
+#ifdef PAGEDSERVE_AMX_INT8
+  const Int8Tiles tiles = mode == "amx" ? Int8Tiles::kHardware : Int8Tiles::kModel;
+  if (tiles == Int8Tiles::kHardware) {
+    const std::string reason = amx_unavailable_reason();
+    if (!reason.empty()) return reason;
+  }
+  const std::string disagreement = tiles_disagreement(tiles);
+  if (!disagreement.empty()) return disagreement;
+  int8_tiles_mode.store(tiles);
+  return "";
+#else
+  return "this build has no AVX512-VNNI (the tiles' epilogue and activation layout need it)";
+#endif
+}
+
+std::string int8_tiles() {
+  switch (int8_tiles_mode.load()) {
+    case Int8Tiles::kHardware: return "amx";
+    case Int8Tiles::kModel: return "model";
+    default: return "off";
+  }
+}
+
+int64_t int8_tile_product_count() { return int8_tile_products.load(); }
+
+// One TDPBSUD as the kernel configures it: a (16, 32) int8 times b (8, 64) uint8 (VNNI order) ->
+// (16, 16) int32; on the hardware (amx) or the model. For tests of the model against torch's
+// integer matmul and, on AMX machines, of the hardware against the model.
+torch::Tensor int8_tile_product(torch::Tensor a, torch::Tensor b, bool hardware) {
+  TORCH_CHECK(a.scalar_type() == torch::kInt8 && a.dim() == 2 && a.size(0) == kTileRows &&
+                  a.size(1) == kGroup && a.is_contiguous(),
+              "a: (16, 32) int8, contiguous");
+  TORCH_CHECK(b.scalar_type() == torch::kUInt8 && b.dim() == 2 && b.size(0) == kGroup / 4 &&
+                  b.size(1) == 64 && b.is_contiguous(),
+              "b: (8, 64) uint8, contiguous");
+  torch::Tensor sums = torch::empty({kTileRows, 16}, torch::kInt32);
+#ifdef PAGEDSERVE_AMX_INT8
+  auto run = [&](auto tiles) {
+    using Tiles = decltype(tiles);
+    Tiles::configure(kernel_tile_config());
+    Tiles::template load<0>(a.data_ptr<int8_t>(), b.data_ptr<uint8_t>());
+    Tiles::template multiply<0>();
+    Tiles::template store<0>(sums.data_ptr<int32_t>());
+    Tiles::release();
+  };
+  if (hardware) {
+    const std::string reason = amx_unavailable_reason();
+    TORCH_CHECK(reason.empty(), "int8_tile_product: ", reason);
+    run(HardwareTiles{});
+  } else {
+    run(TileModel{});
+  }
+  return sums;
+#else
+  TORCH_CHECK(false, "int8_tile_product: this build has no AVX512-VNNI");
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -3686,6 +3853,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("n"),
         py::arg("bits"), py::arg("activation_bits"), py::arg("activation"),
         py::arg("outlier_channels") = py::none(), py::arg("outlier_weights") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("set_int8_tiles", &set_int8_tiles,
+        "int8 matmuls of 16+ rows on AMX tiles ('amx', after a bitwise check against the VNNI "
+        "kernel), the instructions' model ('model', tests) or not ('off'); returns why not ('' "
+        "when in force)",
+        py::arg("mode"), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_tiles", &int8_tiles, "the int8 tiles in force: 'amx', 'model' or 'off'");
+  m.def("int8_tile_product_count", &int8_tile_product_count,
+        "how many int8 products ran on tiles (hardware or model) in this process");
+  m.def("int8_tile_product", &int8_tile_product,
+        "one tile product as the AMX kernel configures it, on the hardware or the model",
+        py::arg("a"), py::arg("b"), py::arg("hardware"),
         py::call_guard<py::gil_scoped_release>());
   m.def("peak_kinds", &peak_kinds,
         "the instruction kinds peak_seconds runs in this build, and multiply-adds per instruction");
