@@ -7,7 +7,8 @@ The cache is random, its blocks scattered as a busy pool's are; the two paths ru
 by call, so a slow spell of the machine lands on both, and each figure is the median of
 `--iterations` calls after one warm-up. GFLOP/s counts the causal products only: 4 * heads *
 head_dim per (query, key it sees). "max diff" is the largest absolute difference between the two
-outputs (they sum in different orders).
+outputs (they sum in different orders). `--compare-tiles` also times the kernel with the AMX tiles
+off (a copy of this build's module, loaded beside it), where this process has them on.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=9)
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads (default: torch's)")
+    parser.add_argument("--compare-tiles", action="store_true",
+                        help="also the kernel with the AMX tiles off (column 'untiled')")
 
 
 def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
-            dtype: torch.dtype, block_size: int, iterations: int, seed: int = 0) -> list[dict]:
-    """One record per (tokens, context): median ms of "kernel" and "torch", the max difference."""
+            dtype: torch.dtype, block_size: int, iterations: int, seed: int = 0,
+            untiled=None) -> list[dict]:
+    """One record per (tokens, context): median ms of "kernel" and "torch" (and "untiled": the
+    `untiled` module's kernel), the max difference."""
     from pagedserve.attention.cpu_kernel_backend import PREFILL_KERNEL_HEAD_DIMS
     from pagedserve.attention.metadata import build_attention_metadata
     from pagedserve.attention.paged import gathered_prefill_attention
@@ -71,6 +76,9 @@ def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: i
             "torch": partial(gathered_prefill_attention, q, (key_cache, value_cache), meta, 0,
                              scale),
         }
+        if untiled is not None:
+            calls["untiled"] = partial(untiled.prefill_attention, q, key_cache, value_cache,
+                                       table, context, scale)
         diff = (calls["kernel"]().float() - calls["torch"]().float()).abs().max().item()
         records.append({"tokens": tokens, "context": context, "max_diff": diff,
                         "ms": median_ms(calls, iterations)})
@@ -82,20 +90,26 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     cases = [tuple(int(v) for v in case.split("+")) for case in args.cases.split(",")]
     heads, kv_heads = (int(v) for v in args.heads.split("/"))
+    from pagedserve.benchmarks.matmul import untiled_copy
+    from pagedserve.kernels import cpu_ops
+
+    untiled = untiled_copy() if args.compare_tiles else None
     records = measure(cases, heads, kv_heads, args.head_dim, DTYPES[args.dtype],
-                      args.block_size, args.iterations)
+                      args.block_size, args.iterations, untiled=untiled)
+    names = ["kernel", "torch"] + (["untiled"] if untiled else [])
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}, {heads} heads / "
-          f"{kv_heads} KV heads x {args.head_dim}; one layer, median of {args.iterations} calls, "
-          f"ms (GFLOP/s)")
-    print(f"{'tokens':>7}{'context':>9}{'kernel':>18}{'torch':>18}{'torch / kernel':>16}"
-          f"{'max diff':>11}")
+          f"{kv_heads} KV heads x {args.head_dim}, tiles {cpu_ops.load().tiles()}; one layer, "
+          f"median of {args.iterations} calls, ms (GFLOP/s)")
+    print(f"{'tokens':>7}{'context':>9}" + "".join(f"{name:>18}" for name in names)
+          + f"{'torch / kernel':>16}" + (f"{'untiled / kernel':>18}" if untiled else "")
+          + f"{'max diff':>11}")
     for record in records:
         tokens, context = record["tokens"], record["context"]
         seen = tokens * context + tokens * (tokens + 1) // 2  # (query, key) pairs, causal
         flop = 4 * heads * args.head_dim * seen
         ms = record["ms"]
-        cells = "".join(f" {ms[name]:>9.3f} ({flop / ms[name] / 1e6:>5.0f})"
-                        for name in ("kernel", "torch"))
-        print(f"{tokens:>7}{context:>9}{cells}{ms['torch'] / ms['kernel']:>15.2f}x"
+        cells = "".join(f" {ms[name]:>9.3f} ({flop / ms[name] / 1e6:>5.0f})" for name in names)
+        tiles = f"{ms['untiled'] / ms['kernel']:>17.2f}x" if untiled else ""
+        print(f"{tokens:>7}{context:>9}{cells}{ms['torch'] / ms['kernel']:>15.2f}x{tiles}"
               f"{record['max_diff']:>11.1e}")
     return 0

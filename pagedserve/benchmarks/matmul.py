@@ -4,8 +4,8 @@ row counts a step uses (1 for a decode, 32 for a batch, hundreds for a prefill c
 `--baseline-kernels PATH` also times another build of the kernels (the `_cpu_ops*.so` of an
 older checkout, built with `python setup.py build_ext --inplace` there) in the same process,
 interleaved call by call with this one, and checks that both give the same bits: on a noisy
-machine the ratio of the two is what can be trusted. `--compare-int8-tiles` does the same with
-this build's int8 mode on the AMX tiles against this build with them off (the VNNI kernel).
+machine the ratio of the two is what can be trusted. `--compare-tiles` does the same with this
+build's int8 mode on the AMX tiles against this build with them off (the VNNI kernel).
 
 The weights are a random matrix quantized to 4-bit groups of 32 (`--qtype int4`, GGUF's Q4_1
 form), 5-bit (`int5`, Q5_1) or 8-bit (`int8`, Q8_0); the activations are random rows. Each figure is the median
@@ -42,7 +42,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-kernels", default=None, metavar="PATH",
                         help="another build's _cpu_ops*.so: its int16 and int8 modes are timed "
                              "beside this build's (column 'base int16' etc.)")
-    parser.add_argument("--compare-int8-tiles", action="store_true",
+    parser.add_argument("--compare-tiles", action="store_true",
                         help="the baseline is this build with the AMX tiles off (a copy of its "
                              "module): int8 on the tiles against the VNNI kernel")
 
@@ -61,7 +61,7 @@ def load_kernels(path: str):
 
 def untiled_copy():
     """This build's module loaded a second time from a copy of its file (its own globals), with
-    the int8 tiles off, where this one has them on."""
+    the AMX tiles off, where this one has them on."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -69,16 +69,16 @@ def untiled_copy():
     from pagedserve.kernels import cpu_ops
 
     ops = cpu_ops.load()
-    if ops is None or ops.int8_tiles() == "off":
-        raise RuntimeError("--compare-int8-tiles: the int8 tiles are off in this process "
-                           f"({ops.set_int8_tiles('amx') if ops else 'no kernels'})")
+    if ops is None or ops.tiles() == "off":
+        raise RuntimeError("--compare-tiles: the AMX tiles are off in this process "
+                           f"({ops.set_tiles('amx') if ops else 'no kernels'})")
     copy = Path(tempfile.mkdtemp(prefix="pagedserve-untiled-")) / Path(ops.__file__).name
     shutil.copyfile(ops.__file__, copy)
     try:
         module = load_kernels(str(copy))
     finally:
         shutil.rmtree(copy.parent)  # the loaded module stays mapped
-    module.set_int8_tiles("off")
+    module.set_tiles("off")
     return module
 
 
@@ -159,18 +159,18 @@ def main(args: argparse.Namespace) -> int:
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     baseline = load_kernels(args.baseline_kernels) if args.baseline_kernels else None
-    if args.compare_int8_tiles:
+    if args.compare_tiles:
         baseline = untiled_copy()
     records = measure(shapes, rows, args.qtype, args.iterations, baseline=baseline)
     from pagedserve.kernels import cpu_ops
 
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, {args.qtype} codes, fp32 "
-          f"activations, int8 tiles {cpu_ops.load().int8_tiles()}"
-          f"{' (base: off)' if args.compare_int8_tiles else ''}; median of {args.iterations} "
+          f"activations, tiles {cpu_ops.load().tiles()}"
+          f"{' (base: off)' if args.compare_tiles else ''}; median of {args.iterations} "
           "calls, ms (GFLOP/s)")
     modes = list(records[0]["ms"]) if records else []
     ratios = [("dense", "int16")] + ([("base int16", "int16")] if baseline else [])
-    if args.compare_int8_tiles:
+    if args.compare_tiles:
         ratios = [("dense", "int16"), ("base int8", "int8")]
     print(f"{'N x K':>12}{'rows':>6}" + "".join(f"{mode:>18}" for mode in modes)
           + "".join(f"{f'{a} / {b}':>22}" for a, b in ratios))

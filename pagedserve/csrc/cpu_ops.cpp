@@ -3,6 +3,9 @@
 // Built at install by setup.py and loaded by pagedserve/kernels/cpu_ops.py; every op has a
 // plain-torch reference in the Python layers, and tests/kernels/ and tests/attention/ compare them.
 //
+// On CPUs with AMX the int8 matmul and the bf16 flash prefill run their products on tiles
+// (amx_tiles.h, amx_int8.h, amx_flash.h) where set_tiles turned them on.
+//
 // Statistics, scores and accumulators are fp32: bf16 inputs widen exactly, results round once when
 // stored. The quantized matmul's own numerics are described at quant_linear. The attention kernels
 // and write_kv also take a quantized KV cache (int8 / fp8 e4m3 codes, one fp16 scale per head and
@@ -857,6 +860,7 @@ inline void widen_to_bytes(const uint8_t* codes, int64_t groups, uint8_t* panel)
   }
 }
 
+#include "amx_tiles.h"
 #include "amx_int8.h"
 static_assert(kTileRows <= kTileRowsMax, "quant_linear_impl's tile buffer");
 
@@ -1125,9 +1129,9 @@ void gate_mul_row(Gate gating, const T* gate, const T* up, T* out, int64_t f) {
 template <int kBits, typename Q, typename S, typename T>
 void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, const uint8_t* codes,
                        const S* scales, const S* mins, const T* bias, int64_t n, T* y,
-                       const OutlierChannels& outliers, Gate gating, Int8Tiles tiles) {
+                       const OutlierChannels& outliers, Gate gating, TileMode tiles) {
   // tiles: the AMX kernel (or its model) takes every tile of rows, quantized in its layout
-  TORCH_CHECK((tiles == Int8Tiles::kOff) == (xr.tile == kActivationTile),
+  TORCH_CHECK((tiles == TileMode::kOff) == (xr.tile == kActivationTile),
               "quant_linear: the rows' layout does not match the kernel");
   const int64_t groups = k / kGroup;
   const int64_t blocks = (n + 15) / 16;
@@ -1146,7 +1150,7 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
     const int64_t chunk_end = std::min(rows, chunk + kRowChunk);
     const bool panels = kIntegerPanels && std::is_same_v<Q, int16_t> &&
                         chunk_end - chunk >= kPanelMinRows;
-    const bool on_tiles = tiles != Int8Tiles::kOff;
+    const bool on_tiles = tiles != TileMode::kOff;
     const int64_t row_tile = on_tiles ? kTileRows : panels ? kPanelTile : kRowTile;
     // tiles: 4- and 5-bit codes widened to bytes once per block (the tiles load bytes)
     const bool byte_panel =
@@ -1154,18 +1158,7 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
     alignas(64) float tile[kTileRowsMax * 16];
     RawArray<uint8_t> byte_codes(byte_panel ? groups * 8 * 64 : 0);
 #ifdef PAGEDSERVE_AMX_INT8
-    // the tile state is the thread's: configured for this piece, released after it
-    struct TileSession {
-      Int8Tiles tiles;
-      explicit TileSession(Int8Tiles t) : tiles(t) {
-        if (tiles == Int8Tiles::kHardware) HardwareTiles::configure(kernel_tile_config());
-        if (tiles == Int8Tiles::kModel) TileModel::configure(kernel_tile_config());
-      }
-      ~TileSession() {
-        if (tiles == Int8Tiles::kHardware) HardwareTiles::release();
-        if (tiles == Int8Tiles::kModel) TileModel::release();
-      }
-    } tile_session(tiles);
+    const TileSession tile_session(tiles, int8_tile_config());
 #endif
     // gated: the chunk's gate values of the item, rounded to T, until its up block comes
     RawArray<T> gates(gated ? kRowChunk * 16 : 0);
@@ -1198,8 +1191,8 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
 #ifdef PAGEDSERVE_AMX_INT8
           if constexpr (std::is_same_v<Q, int8_t>) {
             const uint8_t* weights = byte_panel ? byte_codes.data() : codes + b * block_code_bytes;
-            const auto run = tiles == Int8Tiles::kHardware ? amx_block<HardwareTiles, S>
-                                                           : amx_block<TileModel, S>;
+            const auto run = tiles == TileMode::kHardware ? amx_block<HardwareTiles, S>
+                                                          : amx_block<TileModel, S>;
             run(weights, block_scales, block_mins, groups, xr.q.data() + r * k,
                 xr.scale.data() + r * groups, xr.sum.data() + r * groups, tile);
           }
@@ -1276,14 +1269,14 @@ void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
                            const uint8_t* codes, const torch::Tensor& scales,
                            const torch::Tensor& mins, const T* bias, int64_t n, T* y,
                            const OutlierChannels& outliers, Gate gating,
-                           Int8Tiles tiles_mode = int8_tiles_mode.load(std::memory_order_relaxed)) {
-  Int8Tiles tiles = Int8Tiles::kOff;
+                           TileMode tiles_mode = tile_mode.load(std::memory_order_relaxed)) {
+  TileMode tiles = TileMode::kOff;
 #ifdef PAGEDSERVE_AMX_INT8
   if (std::is_same_v<Q, int8_t> && rows >= kTileMinRows) tiles = tiles_mode;
 #endif
-  if (tiles != Int8Tiles::kOff) int8_tile_products.fetch_add(1, std::memory_order_relaxed);
+  if (tiles != TileMode::kOff) int8_tile_products.fetch_add(1, std::memory_order_relaxed);
   const QuantizedRows<Q> xr = quantize_rows<Q>(
-      x, rows, k, outliers, tiles != Int8Tiles::kOff ? kTileRows : kActivationTile);
+      x, rows, k, outliers, tiles != TileMode::kOff ? kTileRows : kActivationTile);
   with_layout_types(bits, scales, mins, [&](auto width, auto* s, auto* m) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
     quant_linear_impl<decltype(width)::value, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y,
@@ -1822,107 +1815,6 @@ torch::Tensor quant_linear_gated(torch::Tensor x, torch::Tensor codes, torch::Te
                                  c10::optional<torch::Tensor> outlier_weights) {
   return quant_linear_product(x, codes, scales, mins, n, bits, activation_bits, c10::nullopt,
                               outlier_channels, outlier_weights, gate_named(activation));
-}
-
-// ---------------------------------------------------------------------------------------------
-// The int8 tiles (amx_int8.h), chosen once by the kernels' loader (pagedserve/kernels/cpu_ops.py).
-
-// Why `tiles` disagree with vnni_block ("" when every bit agrees): one product per code width,
-// 40 rows (the last tile padded), 5 groups (a partial set of slots) and 3 column blocks.
-std::string tiles_disagreement(Int8Tiles tiles) {
-  constexpr int64_t rows = 40, k = 5 * kGroup, n = 48, blocks = n / 16, groups = k / kGroup;
-  uint32_t state = 0x9E3779B9u;
-  auto next = [&state] { return (state = state * 1664525u + 1013904223u) >> 8; };
-  torch::Tensor x = torch::empty({rows, k}, torch::kFloat32);
-  for (int64_t i = 0; i < x.numel(); ++i)
-    x.data_ptr<float>()[i] = static_cast<float>(static_cast<int>(next() % 2001) - 1000) / 250.f;
-  for (int64_t bits : {4, 5, 8}) {
-    torch::Tensor codes = torch::empty({blocks * groups * bits * 64}, torch::kUInt8);
-    for (int64_t i = 0; i < codes.numel(); ++i) codes.data_ptr<uint8_t>()[i] = next() & 0xFF;
-    torch::Tensor scales = torch::empty({blocks * groups * 16}, torch::kFloat32);
-    torch::Tensor mins = torch::empty_like(scales);
-    for (int64_t i = 0; i < scales.numel(); ++i) {
-      scales.data_ptr<float>()[i] = static_cast<float>(next() % 1000 + 1) / 65536.f;
-      mins.data_ptr<float>()[i] = -static_cast<float>(next() % 1000) / 8192.f;
-    }
-    torch::Tensor expected = torch::empty({rows, n}), got = torch::empty({rows, n});
-    const auto* c = codes.data_ptr<uint8_t>();
-    quant_linear_dispatch<int8_t, float>(x.data_ptr<float>(), rows, k, bits, c, scales, mins,
-                                         nullptr, n, expected.data_ptr<float>(), {}, Gate::kNone,
-                                         Int8Tiles::kOff);
-    quant_linear_dispatch<int8_t, float>(x.data_ptr<float>(), rows, k, bits, c, scales, mins,
-                                         nullptr, n, got.data_ptr<float>(), {}, Gate::kNone, tiles);
-    if (std::memcmp(expected.data_ptr<float>(), got.data_ptr<float>(), rows * n * sizeof(float)))
-      return "the tiles' product differs from the VNNI kernel's (" + std::to_string(bits) +
-             "-bit codes)";
-  }
-  return "";
-}
-
-// mode "amx": the AMX tiles, where this process can run them and they pass the check above;
-// "model": the instructions' model (tests); "off": vnni_block for every row count. Returns why
-// the tiles are off ("" when the mode asked for is in force).
-std::string set_int8_tiles(const std::string& mode) {
-  TORCH_CHECK(mode == "amx" || mode == "model" || mode == "off",
-              "int8 tiles: mode must be amx, model or off, not ", mode);
-  int8_tiles_mode.store(Int8Tiles::kOff);
-  if (mode == "off") return "";
-#ifdef PAGEDSERVE_AMX_INT8
-  const Int8Tiles tiles = mode == "amx" ? Int8Tiles::kHardware : Int8Tiles::kModel;
-  if (tiles == Int8Tiles::kHardware) {
-    const std::string reason = amx_unavailable_reason();
-    if (!reason.empty()) return reason;
-  }
-  const std::string disagreement = tiles_disagreement(tiles);
-  if (!disagreement.empty()) return disagreement;
-  int8_tiles_mode.store(tiles);
-  return "";
-#else
-  return "this build has no AVX512-VNNI (the tiles' epilogue and activation layout need it)";
-#endif
-}
-
-std::string int8_tiles() {
-  switch (int8_tiles_mode.load()) {
-    case Int8Tiles::kHardware: return "amx";
-    case Int8Tiles::kModel: return "model";
-    default: return "off";
-  }
-}
-
-int64_t int8_tile_product_count() { return int8_tile_products.load(); }
-
-// One TDPBSUD as the kernel configures it: a (16, 32) int8 times b (8, 64) uint8 (VNNI order) ->
-// (16, 16) int32; on the hardware (amx) or the model. For tests of the model against torch's
-// integer matmul and, on AMX machines, of the hardware against the model.
-torch::Tensor int8_tile_product(torch::Tensor a, torch::Tensor b, bool hardware) {
-  TORCH_CHECK(a.scalar_type() == torch::kInt8 && a.dim() == 2 && a.size(0) == kTileRows &&
-                  a.size(1) == kGroup && a.is_contiguous(),
-              "a: (16, 32) int8, contiguous");
-  TORCH_CHECK(b.scalar_type() == torch::kUInt8 && b.dim() == 2 && b.size(0) == kGroup / 4 &&
-                  b.size(1) == 64 && b.is_contiguous(),
-              "b: (8, 64) uint8, contiguous");
-  torch::Tensor sums = torch::empty({kTileRows, 16}, torch::kInt32);
-#ifdef PAGEDSERVE_AMX_INT8
-  auto run = [&](auto tiles) {
-    using Tiles = decltype(tiles);
-    Tiles::configure(kernel_tile_config());
-    Tiles::template load<0>(a.data_ptr<int8_t>(), b.data_ptr<uint8_t>());
-    Tiles::template multiply<0>();
-    Tiles::template store<0>(sums.data_ptr<int32_t>());
-    Tiles::release();
-  };
-  if (hardware) {
-    const std::string reason = amx_unavailable_reason();
-    TORCH_CHECK(reason.empty(), "int8_tile_product: ", reason);
-    run(HardwareTiles{});
-  } else {
-    run(TileModel{});
-  }
-  return sums;
-#else
-  TORCH_CHECK(false, "int8_tile_product: this build has no AVX512-VNNI");
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -3225,6 +3117,8 @@ void flash_rows_wide(const c10::BFloat16* const* q, const int64_t* visible, cons
   }
 }
 
+#include "amx_flash.h"
+
 // The bf16 rows at `count` slots of one KV head (kD values each): a bf16 cache's own rows, or a
 // quantized cache's rows dequantized into buf (kKeyTile * kD values).
 template <int64_t kD>
@@ -3251,11 +3145,16 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
                    const C* value_cache, const c10::Half* key_scale, const c10::Half* value_scale,
                    int64_t num_cache_blocks, int64_t block_size, const int64_t* block_ids,
                    int64_t context_len, int64_t tokens, int64_t heads, int64_t kv_heads,
-                   float scale, c10::BFloat16* out) {
+                   float scale, c10::BFloat16* out,
+                   TileMode tiles_mode = tile_mode.load(std::memory_order_relaxed)) {
   constexpr int64_t kD = DC * 16, kPairs = kD / 2;
   const int64_t group = heads / kv_heads;
   const int64_t seq_len = context_len + tokens;
-  const int64_t tiles = (seq_len + kKeyTile - 1) / kKeyTile;
+  constexpr int64_t kStep = kKeyTile * kTilesPerStep;
+  // the AMX kernel's steps read whole 32-key steps: the last one padded with zero keys
+  const int64_t tiles = tiles_mode == TileMode::kOff
+                            ? (seq_len + kKeyTile - 1) / kKeyTile
+                            : (seq_len + kStep - 1) / kStep * kTilesPerStep;
   const int64_t head_slots = num_cache_blocks * block_size;
   const int64_t head_stride = head_slots * kD;
   // kt, vt per KV head: tiles * 16 keys * D / 2 words each; keys past seq_len are zero.
@@ -3270,6 +3169,7 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
       const c10::BFloat16* rows[kKeyTile];
       int64_t slots[kKeyTile];
       const int64_t first = tile * kKeyTile, count = std::min(kKeyTile, seq_len - first);
+      if (count <= 0) continue;  // a padding tile: zeros
       for (int64_t j = 0; j < count; ++j) {
         const int64_t pos = first + j;
         slots[j] = block_ids[pos / block_size] * block_size + pos % block_size;
@@ -3293,6 +3193,44 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
       }
     }
   });
+#ifdef PAGEDSERVE_AMX_FLASH
+  if (tiles_mode != TileMode::kOff) {
+    // 16 consecutive tokens of one query head per pass, the blocks dealt from both ends
+    flash_tile_passes.fetch_add(1, std::memory_order_relaxed);
+    const int64_t token_blocks = (tokens + kFlashTileRows - 1) / kFlashTileRows;
+    parallel_ranges(heads * token_blocks, 1, [&](int64_t begin, int64_t end) {
+      const TileSession tile_session(tiles_mode, flash_tile_config());
+      alignas(64) c10::BFloat16 qs[kFlashTileRows * kD];
+      alignas(64) float outs[kFlashTileRows * kD];
+      int64_t visible[kFlashTileRows];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t head = task / token_blocks, k = task % token_blocks;
+        const int64_t block = k % 2 == 0 ? k / 2 : token_blocks - 1 - k / 2;
+        const int64_t h = head / group, t0 = block * kFlashTileRows;
+        const int64_t count = std::min(kFlashTileRows, tokens - t0);
+        for (int64_t i = 0; i < kFlashTileRows; ++i) {  // rows past the chunk: zeros, 1 key
+          if (i < count) {
+            std::copy_n(q + (t0 + i) * q_token_stride + head * kD, kD, qs + i * kD);
+          } else {
+            std::fill_n(qs + i * kD, kD, c10::BFloat16(0.f));
+          }
+          visible[i] = i < count ? context_len + t0 + i + 1 : 1;
+        }
+        const uint32_t* kt_head = kt.data() + h * tiles * kKeyTile * kPairs;
+        const uint32_t* vt_head = vt.data() + h * tiles * kKeyTile * kPairs;
+        if (tiles_mode == TileMode::kHardware) {
+          flash_tile_rows<HardwareTiles, DC>(qs, visible, kt_head, vt_head, scale, outs);
+        } else {
+          flash_tile_rows<TileModel, DC>(qs, visible, kt_head, vt_head, scale, outs);
+        }
+        for (int64_t i = 0; i < count; ++i)
+          for (int64_t c = 0; c < kD; c += 16)
+            store16(out + ((t0 + i) * heads + head) * kD + c, _mm512_load_ps(outs + i * kD + c));
+      }
+    });
+    return;
+  }
+#endif
   // Rows (token, head) of a KV head in blocks of 8 tokens; a later token sees more keys, so the
   // blocks are dealt from both ends to even out the ranges' work. Head dim 256 (Gemma 3) runs
   // flash_rows_wide, 4 rows per pass.
@@ -3434,6 +3372,176 @@ bool prefill_attention_f32_supported() {
   return true;
 #else
   return false;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The AMX tiles (amx_tiles.h), chosen once by the kernels' loader (pagedserve/kernels/cpu_ops.py).
+
+// A fixed stream of test values (the checks below must not touch torch's generator).
+class CheckValues {
+ public:
+  uint32_t next() { return (state_ = state_ * 1664525u + 1013904223u) >> 8; }
+  float uniform(float low, float high) {  // in [low, high)
+    return low + (high - low) * static_cast<float>(next() % 65536) / 65536.f;
+  }
+
+ private:
+  uint32_t state_ = 0x9E3779B9u;
+};
+
+// Why the int8 matmul on `tiles` disagrees with vnni_block ("" when every bit agrees): one product
+// per code width, 40 rows (the last tile padded), 5 groups (a partial set of slots) and 3 column
+// blocks.
+std::string int8_tiles_disagreement(TileMode tiles) {
+#ifdef PAGEDSERVE_AMX_INT8
+  constexpr int64_t rows = 40, k = 5 * kGroup, n = 48, blocks = n / 16, groups = k / kGroup;
+  CheckValues values;
+  torch::Tensor x = torch::empty({rows, k}, torch::kFloat32);
+  for (int64_t i = 0; i < x.numel(); ++i) x.data_ptr<float>()[i] = values.uniform(-4.f, 4.f);
+  for (int64_t bits : {4, 5, 8}) {
+    torch::Tensor codes = torch::empty({blocks * groups * bits * 64}, torch::kUInt8);
+    for (int64_t i = 0; i < codes.numel(); ++i) codes.data_ptr<uint8_t>()[i] = values.next() & 0xFF;
+    torch::Tensor scales = torch::empty({blocks * groups * 16}, torch::kFloat32);
+    torch::Tensor mins = torch::empty_like(scales);
+    for (int64_t i = 0; i < scales.numel(); ++i) {
+      scales.data_ptr<float>()[i] = values.uniform(1e-4f, 0.02f);
+      mins.data_ptr<float>()[i] = values.uniform(-0.12f, 0.f);
+    }
+    torch::Tensor expected = torch::empty({rows, n}), got = torch::empty({rows, n});
+    const auto* c = codes.data_ptr<uint8_t>();
+    quant_linear_dispatch<int8_t, float>(x.data_ptr<float>(), rows, k, bits, c, scales, mins,
+                                         nullptr, n, expected.data_ptr<float>(), {}, Gate::kNone,
+                                         TileMode::kOff);
+    quant_linear_dispatch<int8_t, float>(x.data_ptr<float>(), rows, k, bits, c, scales, mins,
+                                         nullptr, n, got.data_ptr<float>(), {}, Gate::kNone, tiles);
+    if (!torch::equal(expected, got))
+      return "the int8 tiles' product differs from the VNNI kernel's (" + std::to_string(bits) +
+             "-bit codes)";
+  }
+  return "";
+#else
+  return "this build has no AVX512-VNNI (the int8 tiles' epilogue and activation layout)";
+#endif
+}
+
+// Why the flash prefill on `tiles` disagrees with the AVX512-BF16 kernel ("" when they agree to
+// bf16 rounding: the sums run in another order): a chunk of 40 tokens (the last pass padded)
+// after 50 cached keys (an odd 16-key tile, a partial step), 6 query heads on 2 KV heads.
+std::string flash_tiles_disagreement(TileMode tiles) {
+#ifdef PAGEDSERVE_AMX_FLASH
+  constexpr int64_t tokens = 40, context = 50, heads = 6, kv_heads = 2, d = 64, block_size = 16;
+  constexpr int64_t blocks = (tokens + context + block_size - 1) / block_size;
+  CheckValues values;
+  auto filled = [&](std::vector<int64_t> shape) {
+    torch::Tensor t = torch::empty(shape, torch::kFloat32);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data_ptr<float>()[i] = values.uniform(-2.f, 2.f);
+    return t.to(torch::kBFloat16);
+  };
+  const torch::Tensor q = filled({tokens, heads, d});
+  const torch::Tensor key_cache = filled({kv_heads, blocks, block_size, d});
+  const torch::Tensor value_cache = filled({kv_heads, blocks, block_size, d});
+  std::vector<int64_t> ids(blocks);
+  for (int64_t b = 0; b < blocks; ++b) ids[b] = blocks - 1 - b;  // out of order, as a pool's
+  torch::Tensor expected = torch::empty({tokens, heads, d}, torch::kBFloat16);
+  torch::Tensor got = torch::empty_like(expected);
+  for (auto [mode, out] : {std::pair{TileMode::kOff, &expected}, std::pair{tiles, &got}})
+    flash_prefill<4, c10::BFloat16>(
+        q.data_ptr<c10::BFloat16>(), heads * d, key_cache.data_ptr<c10::BFloat16>(),
+        value_cache.data_ptr<c10::BFloat16>(), nullptr, nullptr, blocks, block_size, ids.data(),
+        context, tokens, heads, kv_heads, 0.125f, out->data_ptr<c10::BFloat16>(), mode);
+  const double error = (expected.to(torch::kFloat32) - got.to(torch::kFloat32)).abs().max().item<double>();
+  if (!(error <= 1.6e-2))  // 2 bf16 steps of an output near 1 (NaN fails too)
+    return "the flash prefill on tiles is off the AVX512-BF16 kernel's by " + std::to_string(error);
+  return "";
+#else
+  return "this build has no AVX512-BF16 flash prefill kernel";
+#endif
+}
+
+// mode "amx": the AMX tiles, where this process can run them and both tile kernels pass the
+// checks above; "model": the instructions' model (tests); "off": the AVX-512 kernels everywhere.
+// Returns why the tiles are off ("" when the mode asked for is in force).
+std::string set_tiles(const std::string& mode) {
+  TORCH_CHECK(mode == "amx" || mode == "model" || mode == "off",
+              "tiles: mode must be amx, model or off, not ", mode);
+  tile_mode.store(TileMode::kOff);
+  if (mode == "off") return "";
+  const TileMode tiles = mode == "amx" ? TileMode::kHardware : TileMode::kModel;
+  if (tiles == TileMode::kHardware) {
+    const std::string reason = amx_unavailable_reason();
+    if (!reason.empty()) return reason;
+  }
+  for (const std::string& disagreement :
+       {int8_tiles_disagreement(tiles), flash_tiles_disagreement(tiles)})
+    if (!disagreement.empty()) return disagreement;
+  tile_mode.store(tiles);
+  return "";
+}
+
+std::string tiles() {
+  switch (tile_mode.load()) {
+    case TileMode::kHardware: return "amx";
+    case TileMode::kModel: return "model";
+    default: return "off";
+  }
+}
+
+// How many calls ran on tiles (hardware or model) in this process, per kernel.
+std::map<std::string, int64_t> tile_call_counts() {
+  return {{"int8_matmul", int8_tile_products.load()},
+#ifdef PAGEDSERVE_AMX_FLASH
+          {"flash_prefill", flash_tile_passes.load()}
+#else
+          {"flash_prefill", 0}
+#endif
+  };
+}
+
+// One tile product as the kernels configure it, on the hardware or the model (tests: the model
+// against torch, and on AMX machines the hardware against the model):
+//   kind "int8": a (16, 32) int8 times b (8, 64) uint8 in VNNI order -> (16, 16) int32;
+//   kind "bf16": a (16, 32) bf16 times b (16, 32) bf16 in pair order -> (16, 16) fp32.
+torch::Tensor tile_product(torch::Tensor a, torch::Tensor b, const std::string& kind,
+                           bool hardware) {
+  TORCH_CHECK(kind == "int8" || kind == "bf16", "tile_product: kind must be int8 or bf16");
+  const bool int8 = kind == "int8";
+  TORCH_CHECK(a.scalar_type() == (int8 ? torch::kInt8 : torch::kBFloat16) && a.dim() == 2 &&
+                  a.size(0) == 16 && a.size(1) == 32 && a.is_contiguous(),
+              "a: (16, 32) ", kind, ", contiguous");
+  TORCH_CHECK(b.scalar_type() == (int8 ? torch::kUInt8 : torch::kBFloat16) && b.dim() == 2 &&
+                  b.size(0) == (int8 ? 8 : 16) && b.size(1) == (int8 ? 64 : 32) &&
+                  b.is_contiguous(),
+              int8 ? "b: (8, 64) uint8, contiguous" : "b: (16, 32) bf16, contiguous");
+  const std::string reason = hardware ? amx_unavailable_reason() : "";
+  TORCH_CHECK(reason.empty(), "tile_product: ", reason);
+  torch::Tensor sums = torch::empty({16, 16}, int8 ? torch::kInt32 : torch::kFloat32);
+#if defined(PAGEDSERVE_AMX_INT8) && defined(PAGEDSERVE_AMX_FLASH)
+  auto run = [&](auto tiles) {
+    using Tiles = decltype(tiles);
+    const TileSession session(hardware ? TileMode::kHardware : TileMode::kModel,
+                              int8 ? int8_tile_config() : flash_tile_config());
+    if (int8) {
+      Tiles::template load<4>(a.data_ptr(), 32);
+      Tiles::template load<6>(b.data_ptr(), 64);
+      Tiles::template zero<0>();
+      Tiles::template dot_int8<0, 4, 6>();
+    } else {
+      Tiles::template load<6>(a.data_ptr(), 64);
+      Tiles::template load<7>(b.data_ptr(), 64);
+      Tiles::template zero<0>();
+      Tiles::template dot_bf16<0, 6, 7>();
+    }
+    Tiles::template store<0>(sums.data_ptr(), 64);
+  };
+  if (hardware) {
+    run(HardwareTiles{});
+  } else {
+    run(TileModel{});
+  }
+  return sums;
+#else
+  TORCH_CHECK(false, "tile_product: this build has no AVX512-VNNI and AVX512-BF16 kernels");
 #endif
 }
 
@@ -3854,17 +3962,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bits"), py::arg("activation_bits"), py::arg("activation"),
         py::arg("outlier_channels") = py::none(), py::arg("outlier_weights") = py::none(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("set_int8_tiles", &set_int8_tiles,
-        "int8 matmuls of 16+ rows on AMX tiles ('amx', after a bitwise check against the VNNI "
-        "kernel), the instructions' model ('model', tests) or not ('off'); returns why not ('' "
-        "when in force)",
+  m.def("set_tiles", &set_tiles,
+        "the int8 matmul (16+ rows) and the bf16 flash prefill on AMX tiles ('amx', after each "
+        "kernel's check against its AVX-512 form), on the instructions' model ('model', tests), "
+        "or not ('off'); returns why not ('' when in force)",
         py::arg("mode"), py::call_guard<py::gil_scoped_release>());
-  m.def("int8_tiles", &int8_tiles, "the int8 tiles in force: 'amx', 'model' or 'off'");
-  m.def("int8_tile_product_count", &int8_tile_product_count,
-        "how many int8 products ran on tiles (hardware or model) in this process");
-  m.def("int8_tile_product", &int8_tile_product,
-        "one tile product as the AMX kernel configures it, on the hardware or the model",
-        py::arg("a"), py::arg("b"), py::arg("hardware"),
+  m.def("tiles", &tiles, "the tiles in force: 'amx', 'model' or 'off'");
+  m.def("tile_call_counts", &tile_call_counts,
+        "calls run on tiles (hardware or model) in this process, per kernel");
+  m.def("tile_product", &tile_product,
+        "one tile product as the kernels configure it (kind int8 or bf16), on the hardware or "
+        "the model",
+        py::arg("a"), py::arg("b"), py::arg("kind"), py::arg("hardware"),
         py::call_guard<py::gil_scoped_release>());
   m.def("peak_kinds", &peak_kinds,
         "the instruction kinds peak_seconds runs in this build, and multiply-adds per instruction");

@@ -6,10 +6,10 @@ plain-torch path, which is also the reference the kernels are tested against. Ei
 line says which path serves and why. Rebuild after editing csrc/ with
 `python setup.py build_ext --inplace` (or `pip install --no-build-isolation -e .`).
 
-The int8 matmul's AMX tiles (csrc/amx_int8.h) are the one choice made here, once per process,
-from the CPU: on where it has AMX-INT8, Linux grants the tile state and the tiles' product
-equals the VNNI kernel's bit for bit on a check product; `PAGEDSERVE_AMX=0` in the environment
-keeps them off. The start-up's kernels line says which.
+The AMX tiles (csrc/amx_tiles.h: the int8 matmul of 16+ rows and the bf16 flash prefill) are
+the one choice made here, once per process, from the CPU: on where it has AMX-INT8 and AMX-BF16,
+Linux grants the tile state and each tile kernel's check product agrees with its AVX-512 form;
+`PAGEDSERVE_AMX=0` in the environment keeps them off. The start-up's kernels line says which.
 
 Whether to use them is not decided here: DeviceConfig.cpu_kernels (set at the edge, from
 --[no-]cpu-kernels or PAGEDSERVE_CPU_KERNELS) is read once by whoever builds the model, as a
@@ -124,14 +124,15 @@ def load() -> ModuleType | None:
             phase.detail = f"plain torch path: {reason}; {REBUILD_HINT}"
         else:
             phase.detail = (f"C++ CPU kernels ({getattr(module, 'BUILD_ISA', '') or 'no AVX-512'}) "
-                            f"from {module.__file__}; {choose_int8_tiles(module)}")
+                            f"from {module.__file__}; {choose_tiles(module)}")
     return module
 
 
-def choose_int8_tiles(module: ModuleType) -> str:
-    """Turns the int8 matmul's AMX tiles on where they can run (see the module doc); says which."""
+def choose_tiles(module: ModuleType) -> str:
+    """Turns the AMX tiles on where they can run (see the module doc); says which."""
     if os.environ.get("PAGEDSERVE_AMX", "1") == "0":
-        module.set_int8_tiles("off")
-        return "int8 tiles off (PAGEDSERVE_AMX=0)"
-    reason = module.set_int8_tiles("amx")
-    return "int8 matmuls of 16+ rows on AMX tiles" if not reason else f"no AMX tiles: {reason}"
+        module.set_tiles("off")
+        return "AMX tiles off (PAGEDSERVE_AMX=0)"
+    reason = module.set_tiles("amx")
+    return ("AMX tiles for int8 matmuls of 16+ rows and the bf16 flash prefill" if not reason
+            else f"no AMX tiles: {reason}")
