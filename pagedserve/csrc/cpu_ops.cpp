@@ -3968,6 +3968,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "or not ('off'); returns why not ('' when in force)",
         py::arg("mode"), py::call_guard<py::gil_scoped_release>());
   m.def("tiles", &tiles, "the tiles in force: 'amx', 'model' or 'off'");
+  m.def("amx_unavailable_reason", &amx_unavailable_reason,
+        "why this process cannot run AMX tiles at all ('' where the CPU and Linux allow them)");
   m.def("tile_call_counts", &tile_call_counts,
         "calls run on tiles (hardware or model) in this process, per kernel");
   m.def("tile_product", &tile_product,
