@@ -44,17 +44,11 @@ void flash_tile_rows(const c10::BFloat16* q, const int64_t* visible, const uint3
   alignas(64) uint32_t pairs[kRows][kStep / 2];
   __m512 total[kRows];
   float running_max[kRows];
-  int64_t most = 0;
-  for (int r = 0; r < kRows; ++r) {
-    std::fill(acc[r], acc[r] + kD, 0.f);
-    running_max[r] = -std::numeric_limits<float>::infinity();
-    total[r] = _mm512_setzero_ps();
-    most = std::max(most, visible[r]);
-  }
+  const int64_t most = start_softmax<kRows>(visible, running_max, total);
+  for (int r = 0; r < kRows; ++r) std::fill(acc[r], acc[r] + kD, 0.f);
   const float log2_scale = scale * 1.4426950408889634f;
   for (int64_t first = 0; first < most; first += kStep) {
-    const int64_t tiles =
-        std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
+    const int64_t tiles = step_key_tiles(most, first);
     const uint32_t* kt_step = kt + (first / kKeyTile) * kPairs * kKeyTile;
     Tiles::template zero<0>();
     Tiles::template zero<1>();

@@ -3013,6 +3013,24 @@ inline void flash_weights(const __m512 (&s)[kRows][kTilesPerStep], const int64_t
   }
 }
 
+// Each row's softmax state before its first step: running max -inf, probability sums 0. Returns
+// the most keys any of the rows sees (their steps run to it).
+template <int kRows>
+inline int64_t start_softmax(const int64_t* visible, float* running_max, __m512* total) {
+  int64_t most = 0;
+  for (int r = 0; r < kRows; ++r) {
+    running_max[r] = -std::numeric_limits<float>::infinity();
+    total[r] = _mm512_setzero_ps();
+    most = std::max(most, visible[r]);
+  }
+  return most;
+}
+
+// The 16-key tiles in the softmax step from key `first` of rows that see at most `most` keys.
+inline int64_t step_key_tiles(int64_t most, int64_t first) {
+  return std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
+}
+
 // The rows' accumulators in registers (DC per row): head dims 64 and 128.
 template <int DC, int kRows>
 void flash_rows(const c10::BFloat16* const* q, const int64_t* visible, const uint32_t* kt,
@@ -3022,18 +3040,14 @@ void flash_rows(const c10::BFloat16* const* q, const int64_t* visible, const uin
   __m512 acc[kRows][DC];
   __m512 total[kRows];  // per lane: the sums of the probabilities, reduced once at the end
   float running_max[kRows];
-  int64_t most = 0;
+  const int64_t most = start_softmax<kRows>(visible, running_max, total);
   for (int r = 0; r < kRows; ++r) {
     qw[r] = reinterpret_cast<const uint32_t*>(q[r]);
     for (int c = 0; c < DC; ++c) acc[r][c] = _mm512_setzero_ps();
-    running_max[r] = -std::numeric_limits<float>::infinity();
-    total[r] = _mm512_setzero_ps();
-    most = std::max(most, visible[r]);
   }
   const float log2_scale = scale * 1.4426950408889634f;
   for (int64_t first = 0; first < most; first += kStep) {
-    const int64_t tiles =
-        std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
+    const int64_t tiles = step_key_tiles(most, first);
     __m512 s[kRows][kTilesPerStep];
     flash_scores<DC, kRows>(qw, kt + (first / kKeyTile) * kPairs * kKeyTile, tiles, s);
     alignas(64) uint32_t pairs[kRows][kStep / 2];  // per row: (p[2kp], p[2kp+1]) as bf16 pairs
@@ -3075,18 +3089,14 @@ void flash_rows_wide(const c10::BFloat16* const* q, const int64_t* visible, cons
   alignas(64) float acc[kRows][kD];
   __m512 total[kRows];
   float running_max[kRows];
-  int64_t most = 0;
+  const int64_t most = start_softmax<kRows>(visible, running_max, total);
   for (int r = 0; r < kRows; ++r) {
     qw[r] = reinterpret_cast<const uint32_t*>(q[r]);
     std::fill(acc[r], acc[r] + kD, 0.f);
-    running_max[r] = -std::numeric_limits<float>::infinity();
-    total[r] = _mm512_setzero_ps();
-    most = std::max(most, visible[r]);
   }
   const float log2_scale = scale * 1.4426950408889634f;
   for (int64_t first = 0; first < most; first += kStep) {
-    const int64_t tiles =
-        std::min<int64_t>(kTilesPerStep, (most - first + kKeyTile - 1) / kKeyTile);
+    const int64_t tiles = step_key_tiles(most, first);
     __m512 s[kRows][kTilesPerStep];
     flash_scores<DC, kRows>(qw, kt + (first / kKeyTile) * kPairs * kKeyTile, tiles, s);
     alignas(64) uint32_t pairs[kRows][kStep / 2];
