@@ -6,9 +6,9 @@
 //   sums[m][n] += sum_k a[m][k] * b[k / 4][4n + k % 4],  a signed bytes, b unsigned bytes,
 // a = the rows' int8 codes of the group ([row][32], the activation layout with 16-row tiles),
 // b = the column block's codes as bytes in VNNI order ([element / 4][column][element % 4], the
-// weight layout's own order; 4- and 5-bit codes widened once per block and chunk of rows). The
-// integer sums are exact and equal vnni_block's, and the float epilogue below is vnni_block's,
-// step for step: every output bit is the VNNI kernel's.
+// weight layout's own order; 4- and 5-bit codes widened once per block and chunk of rows by
+// widen_to_bytes). The integer sums are exact and equal vnni_block's, and the float epilogue
+// below is vnni_block's, step for step: every output bit is the VNNI kernel's.
 
 constexpr int64_t kTileRows = 16;  // activation rows per tile (a tile register's rows)
 // Fewer rows than a tile: vnni_block (a padded tile would multiply mostly zeros). Not yet
@@ -82,15 +82,4 @@ inline void amx_block(const uint8_t* weights, const S* scales, const S* mins, in
   }
   for (int r = 0; r < kTileRows; ++r) _mm512_storeu_ps(out + r * 16, acc[r]);
 }
-
-// A column block's codes as bytes in the 8-bit layout ([group][8][64]): the tiles load bytes.
-template <int kBits>
-inline void widen_codes_to_bytes(const uint8_t* codes, int64_t groups, uint8_t* panel) {
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i w[16];  // the int8 form fills 8
-    unpack_group<kBits, int8_t>(codes + g * kBits * 64, w);
-    for (int j = 0; j < 8; ++j) _mm512_storeu_si512(panel + g * 8 * 64 + j * 64, w[j]);
-  }
-}
-
 #endif  // PAGEDSERVE_VNNI

@@ -834,28 +834,31 @@ constexpr int64_t kRowChunk = 128;  // rows whose quantized activations stay in 
 // 1.05-1.06x faster than merging per tile (Zen 4, `bench matmul --qtype int5`), about the 8-bit
 // codes' speed; at 16-64 rows a large matrix ran slower this way (the codes' stream no longer
 // overlaps the sums). The codes are the same bytes, so the integer sums and every output bit
-// are the 5-bit kernel's.
+// are the 5-bit kernel's. The AMX kernel (amx_int8.h) widens 4- and 5-bit codes this way too:
+// its tiles load bytes.
 constexpr int64_t kBytePanelMinRows = kRowChunk;
 
+template <int kBits>
 inline void widen_to_bytes(const uint8_t* codes, int64_t groups, uint8_t* panel) {
+  static_assert(kBits == 4 || kBits == 5, "8-bit codes are bytes already");
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* cg = codes + g * 5 * 64;
+    const uint8_t* cg = codes + g * kBits * 64;
     uint8_t* out = panel + g * 8 * 64;
 #ifdef PAGEDSERVE_VNNI
     __m512i w[16];  // the int8 form fills 8
-    unpack_group<5, int8_t>(cg, w);
+    unpack_group<kBits, int8_t>(cg, w);
     for (int j = 0; j < 8; ++j) _mm512_storeu_si512(out + j * 64, w[j]);
 #elif defined(PAGEDSERVE_AVX2_INTEGER)
     for (int h = 0; h < 2; ++h) {
       __m256i quads[8];
-      unpack_group_avx2<5>(cg, h, quads);
+      unpack_group_avx2<kBits>(cg, h, quads);
       for (int j = 0; j < 8; ++j)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 64 + 32 * h), quads[j]);
     }
 #else
     for (int col = 0; col < 16; ++col)
       for (int e = 0; e < kGroup; ++e)
-        out[(e / 4) * 64 + col * 4 + e % 4] = static_cast<uint8_t>(code_at<5>(cg, col, e));
+        out[(e / 4) * 64 + col * 4 + e % 4] = static_cast<uint8_t>(code_at<kBits>(cg, col, e));
 #endif
   }
 }
@@ -1177,13 +1180,9 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
 #ifdef PAGEDSERVE_AVX2_INTEGER
       if (panels) widen_panel<kBits>(codes + b * block_code_bytes, groups, panel);
 #endif
-      if (byte_panel) {
-#ifdef PAGEDSERVE_AMX_INT8
-        if (on_tiles && kBits == 4)
-          widen_codes_to_bytes<4>(codes + b * block_code_bytes, groups, byte_codes.data());
-        else
-#endif
-          widen_to_bytes(codes + b * block_code_bytes, groups, byte_codes.data());
+      if constexpr (kBits != 8) {
+        if (byte_panel)
+          widen_to_bytes<kBits>(codes + b * block_code_bytes, groups, byte_codes.data());
       }
       for (int64_t r = chunk; r < chunk_end; r += row_tile) {
         const int tile_rows = static_cast<int>(std::min(row_tile, chunk_end - r));
