@@ -283,9 +283,11 @@ def test_gelu_tanh_and_mul_equals_torch():
 def test_gemma_norm_matches_the_torch_path():
     """add_rms_norm's unit_offset form (Gemma: (1 + weight) in fp32, rounded once) against
     GemmaRMSNorm's torch path, with and without the residual add. The sums of squares add in
-    another order than torch's reduction, so the fp32 results differ by an ulp or two and a bf16
-    value can round the other way where the fp32 one sits within an ulp of a rounding edge
-    (about 1 in 10^4): bf16 within one ulp there and equal elsewhere; the residual sums exact."""
+    another order than torch's reduction, so the fp32 results differ by a few ulps (AVX2 adds
+    80 squares per lane where AVX-512 adds 40: 3.9e-7 relative measured on Zen 3; the 3e-7 bound
+    held on Zen 4) and a bf16 value can round the other way where the fp32 one sits within an
+    ulp of a rounding edge (about 1 in 10^4): bf16 within one ulp there and equal elsewhere; the
+    residual sums exact."""
     from pagedserve.models.gemma3 import GemmaRMSNorm
 
     generator = torch.Generator().manual_seed(11)
@@ -305,7 +307,7 @@ def test_gemma_norm_matches_the_torch_path():
                 assert (a != c).float().mean() < 1e-3
                 torch.testing.assert_close(a, c, rtol=2**-7, atol=0)
             else:
-                torch.testing.assert_close(a, c, rtol=3e-7, atol=1e-7)
+                torch.testing.assert_close(a, c, rtol=6e-7, atol=1e-7)  # ~5 ulps
 
 
 @pytest.mark.parametrize("gemma", [False, True], ids=["llama_form", "gemma_form"])
