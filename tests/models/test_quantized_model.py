@@ -25,7 +25,7 @@ from pagedserve.benchmarks.perplexity import perplexity, teacher_forced_logprobs
 from pagedserve.layers.outliers import OUTLIER_CHANNELS, int8_linears
 from pagedserve.observability.memory import model_bytes
 from pagedserve.sampling_params import SamplingParams
-from tests.cpu import BF16_IS_THE_DEFAULT
+from tests.cpu import VECTORIZED_INTEGER_MATMUL
 from tests.prompts import CHAT_QUESTIONS, PARITY_PROMPTS, chat_prompt
 from tests.shared_engines import shared_weights_llm
 
@@ -93,7 +93,7 @@ def test_default_engine_holds_its_weights_once(make_llm, model_path):
     assert sum(parts.values()) <= 1.3 * gguf_bytes, (parts, gguf_bytes)
 
 
-@BF16_IS_THE_DEFAULT
+@VECTORIZED_INTEGER_MATMUL
 def test_packed_bf16_tracks_fp32_reference(make_llm, tokenizer, int4_everywhere):
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     greedy = SamplingParams(
@@ -159,7 +159,7 @@ def fp32_perplexity(exact_text_logprobs) -> float:
     return perplexity(exact_text_logprobs)
 
 
-@BF16_IS_THE_DEFAULT
+@VECTORIZED_INTEGER_MATMUL
 def test_perplexity_within_one_percent_of_fp32(make_llm, text_ids, fp32_perplexity, monkeypatch):
     reference = fp32_perplexity
     # int16 layers run the dense product above PACKED_MAX_ROWS rows, their codes below
@@ -187,7 +187,7 @@ prefill kernel's softmax change, its drift lower; 420/640 after its exp2 softmax
 without them 356/640."""
 
 
-@BF16_IS_THE_DEFAULT
+@VECTORIZED_INTEGER_MATMUL
 @pytest.mark.parametrize("mode", ["auto", "int16", "int8"])
 def test_bf16_activation_quantization_keeps_quality(make_llm, tokenizer, text_ids,
                                                     exact_text_logprobs, fp32_perplexity, mode):
@@ -312,7 +312,7 @@ def test_fp32_activation_quantization_keeps_quality(make_llm, tokenizer, text_id
 ON_LOAD_PERPLEXITY_TOLERANCE = {"int8": 0.03, "int4": 0.07}
 
 
-@BF16_IS_THE_DEFAULT
+@VECTORIZED_INTEGER_MATMUL
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantize_on_load_perplexity(make_llm, text_ids, fp32_perplexity, scheme):
     """--quantization int8/int4 quantize every linear weight (here the dequantized GGUF ones)
