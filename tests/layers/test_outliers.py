@@ -8,15 +8,11 @@ import pytest
 import torch
 
 from pagedserve.engine.llm import LLM
-from pagedserve.kernels import cpu_ops
 from pagedserve.layers.outliers import OUTLIER_CHANNELS, int8_linears
 from pagedserve.sampling_params import SamplingParams
+from tests.cpu import VECTORIZED_INTEGER_MATMUL
 
-ops = cpu_ops.load()
-pytestmark = pytest.mark.skipif(
-    ops is None or not ops.integer_linear_vectorized(),
-    reason="int8 layers need the compiled kernels' vectorized integer matmul (portable loops: "
-           "minutes per forward pass)")
+pytestmark = VECTORIZED_INTEGER_MATMUL  # int8 layers in portable loops: minutes per forward pass
 
 
 def _channels(llm: LLM) -> list[list[int]]:
