@@ -2,9 +2,9 @@
 
 The kernels read the cache in place: decodes and short chunks (a sequence's at most
 KERNEL_MAX_TOKENS queries of a step) through `paged_attention`, longer prefill chunks through
-`prefill_attention`: bf16 on AVX512-BF16 (2-3x the torch paths), fp32 on AVX2 + FMA with a plain
-fp32 cache (csrc/prefill_attention_f32.h; 1.36-3.1x the torch paths on AMD EPYC Zen 3,
-`pagedserve bench attention`). Where a step's shape is not theirs the torch functions of
+`prefill_attention`: bf16 on AVX512-BF16 (2-3x the torch paths), fp32 on AVX2 + FMA
+(csrc/prefill_attention_f32.h; 1.36-3.1x the torch paths on AMD EPYC Zen 3,
+`pagedserve bench attention`; a quantized cache dequantized once per chunk). Where a step's shape is not theirs the torch functions of
 attention/paged.py run, exactly as that backend would: queries whose heads are not dense, prefill
 chunks whose dtype, cache or head_dim the prefill kernels do not take, and layers with a sliding
 window in steps where the window hides some key (the kernels know no windows; while every
@@ -135,12 +135,13 @@ class CpuKernelAttentionBackend(AttentionBackend):
 
     def _prefill_kernel_serves(self, q: torch.Tensor, kv_cache: KVCache) -> bool:
         """bf16 with head_dim 64, 128 or 256 (AVX512-BF16; a quantized cache is dequantized to bf16
-        as its tiles are laid out), or fp32 on a plain fp32 cache with head_dim a multiple of 8
-        (AVX2 + FMA)."""
+        as its tiles are laid out), or fp32 on an fp32 or a quantized cache with head_dim a
+        multiple of 8 (AVX2 + FMA; a quantized cache is dequantized to fp32 once per chunk)."""
         if q.dtype == torch.bfloat16:
             return (q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
                     and self.kernels.prefill_attention_supported())
         return (
-            q.dtype == torch.float32 and len(kv_cache) == 2 and kv_cache[0].dtype == torch.float32
+            q.dtype == torch.float32
+            and (len(kv_cache) == 4 or kv_cache[0].dtype == torch.float32)
             and q.shape[-1] % 8 == 0 and self.kernels.prefill_attention_f32_supported()
         )

@@ -34,6 +34,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -2525,6 +2526,34 @@ void weighted_sum(const T* const* rows, const float* w, int64_t len, int64_t d, 
   }
 }
 
+#ifdef PAGEDSERVE_AVX2
+// The value sums of kHeads query heads against a quantized cache's rows (codes; their scales
+// are in w): out[h] (at out + h * out_stride) = sum_p w[h * len + p] * rows[p], 16 columns at a
+// time, each row's codes widened once for the kHeads heads, where weighted_sum widens them once
+// per head. Each column's sum is weighted_sum's chain (one FMA per row, rows in order): the same
+// bits.
+template <int kHeads, typename C>
+inline void head_weighted_codes(const C* const* rows, const float* w, int64_t len, int64_t d,
+                                float* out, int64_t out_stride) {
+  for (int64_t c0 = 0; c0 < d; c0 += 16) {
+    __m256 acc[kHeads][2];
+    for (int h = 0; h < kHeads; ++h) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < len; ++p) {
+      const __m256 v0 = load8(rows[p] + c0), v1 = load8(rows[p] + c0 + 8);
+      for (int h = 0; h < kHeads; ++h) {
+        const __m256 wp = _mm256_set1_ps(w[h * len + p]);
+        acc[h][0] = _mm256_fmadd_ps(wp, v0, acc[h][0]);
+        acc[h][1] = _mm256_fmadd_ps(wp, v1, acc[h][1]);
+      }
+    }
+    for (int h = 0; h < kHeads; ++h) {
+      _mm256_storeu_ps(out + h * out_stride + c0, acc[h][0]);
+      _mm256_storeu_ps(out + h * out_stride + c0 + 8, acc[h][1]);
+    }
+  }
+}
+#endif
+
 // weighted_sum for `heads` query heads sharing the rows: out[h] (at out + h * out_stride) =
 // sum_p w[h * len + p] * rows[p]; on AVX-512 the heads share each row's load.
 template <typename T>
@@ -2533,6 +2562,19 @@ void group_weighted_sum(const T* const* rows, const float* w, int64_t heads, int
 #ifdef PAGEDSERVE_AVX512
   if (d == 64) return group_weighted_rows<4>(rows, w, heads, len, out, out_stride, ahead);
   if (d == 128) return group_weighted_rows<8>(rows, w, heads, len, out, out_stride, ahead);
+#elif defined(PAGEDSERVE_AVX2)
+  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, c10::BFloat16>) {
+    if (d % 64 == 0) {  // codes: widened once for up to 3 heads (weighted_sum's bits)
+      int64_t h = 0;
+      for (; h + 3 <= heads; h += 3)
+        head_weighted_codes<3>(rows, w + h * len, len, d, out + h * out_stride, out_stride);
+      if (heads - h == 2)
+        head_weighted_codes<2>(rows, w + h * len, len, d, out + h * out_stride, out_stride);
+      if (heads - h == 1)
+        head_weighted_codes<1>(rows, w + h * len, len, d, out + h * out_stride, out_stride);
+      return;
+    }
+  }
 #endif
   for (int64_t h = 0; h < heads; ++h) weighted_sum(rows, w + h * len, len, d, out + h * out_stride);
 }
@@ -2565,8 +2607,8 @@ void attention_scores(const T* q, const T* const* krows, int64_t len, int64_t d,
 // each key vector is loaded once for all of them, where attention_scores (key_dots8) loads the
 // query beside every key vector, two loads per FMA. The same products, partial sums and
 // reduction as key_dots8 (sum8's first half), so the same bits.
-template <int kHeads>
-inline void head_key_dots4(const float* q, const float* const* krows, int64_t count, int64_t d,
+template <int kHeads, typename C = float>
+inline void head_key_dots4(const float* q, const C* const* krows, int64_t count, int64_t d,
                            float (*sums)[4]) {
   __m256 partial[kHeads][4];
   for (int h = 0; h < kHeads; ++h)
@@ -2576,7 +2618,7 @@ inline void head_key_dots4(const float* q, const float* const* krows, int64_t co
     for (int h = 0; h < kHeads; ++h) qv[h] = _mm256_loadu_ps(q + h * d + j);
     for (int i = 0; i < 4; ++i) {
       if (i >= count) break;
-      const __m256 kv = _mm256_loadu_ps(krows[i] + j);
+      const __m256 kv = load8(krows[i] + j);  // codes widened once for every head
       for (int h = 0; h < kHeads; ++h) partial[h][i] = _mm256_fmadd_ps(qv[h], kv, partial[h][i]);
     }
   }
@@ -2596,6 +2638,20 @@ inline void head_scores(const float* q, const float* const* krows, int64_t len, 
     head_key_dots4<kHeads>(q, krows + p0, count, d, sums);
     for (int h = 0; h < kHeads; ++h)
       for (int64_t i = 0; i < count; ++i) s[h * len + p0 + i] = sums[h][i] * scale;
+  }
+}
+
+// head_scores against a quantized cache: (q . codes) * key_scales[p], as attention_scores_codes
+// computes each head's (key_dots8's bits), each key's codes widened once for the kHeads heads.
+template <int kHeads, typename C>
+inline void head_scores_codes(const float* q, const C* const* krows, const float* key_scales,
+                              int64_t len, int64_t d, float* s /* [kHeads][len] */) {
+  for (int64_t p0 = 0; p0 < len; p0 += 4) {
+    const int64_t count = std::min<int64_t>(4, len - p0);
+    float sums[kHeads][4];
+    head_key_dots4<kHeads>(q, krows + p0, count, d, sums);
+    for (int h = 0; h < kHeads; ++h)
+      for (int64_t i = 0; i < count; ++i) s[h * len + p0 + i] = sums[h][i] * key_scales[p0 + i];
   }
 }
 #endif
@@ -2687,6 +2743,28 @@ void attention_scores_codes(const float* q, const C* const* krows, const float* 
     for (int64_t i = 0; i < d; ++i) dot += q[i] * to_float(krows[p][i]);
     s[p] = dot * key_scales[p];
   }
+}
+
+// attention_scores_codes for the `group` query heads (q32 + g * d) sharing a KV head: on AVX2 3
+// heads per pass over the keys (each key's codes widened once), each head's scores the same bits
+// as alone; vrows as attention_scores_codes takes it (requested by the first head's pass).
+template <typename C>
+void group_attention_scores_codes(const float* q32, int64_t group, const C* const* krows,
+                                  const float* key_scales, int64_t len, int64_t d, float* s,
+                                  const C* const* vrows) {
+#ifdef PAGEDSERVE_AVX2
+  if (d % 8 == 0) {
+    int64_t g = 0;
+    for (; g + 3 <= group; g += 3)
+      head_scores_codes<3>(q32 + g * d, krows, key_scales, len, d, s + g * len);
+    if (group - g == 2) head_scores_codes<2>(q32 + g * d, krows, key_scales, len, d, s + g * len);
+    if (group - g == 1) head_scores_codes<1>(q32 + g * d, krows, key_scales, len, d, s + g * len);
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    attention_scores_codes(q32 + g * d, krows, key_scales, len, d, s + g * len,
+                           g == 0 ? vrows : nullptr);
 }
 
 // s[p] = exp(s[p] - mx) in place; returns their sum.
@@ -2826,17 +2904,16 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
           (first_partial[t] + h * slices + slice) * partial_size : nullptr;
       if constexpr (kQuantized) {
         widen_row(q + t * q_token_stride + h * group * d, q32.data(), group * d);
+        // the first head's pass requests the value rows, as group_attention_scores does
+        group_attention_scores_codes(q32.data(), group, krows.data(),
+                                     current.key_scales.data(), len, d, scores.data(),
+                                     vrows.data());
       } else {
         group_attention_scores(q + t * q_token_stride + h * group * d, group, krows.data(), len,
                                d, scale, scores.data(), vrows.data());
       }
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
-        if constexpr (kQuantized) {
-          // the first head's pass requests the value rows, as group_attention_scores does
-          attention_scores_codes(q32.data() + g * d, krows.data(), current.key_scales.data(),
-                                 len, d, s, g == 0 ? vrows.data() : nullptr);
-        }
         if (partial) {  // unnormalized: the merge divides by the slices' total
           partial[g * (d + 2)] = max_of(s, len);
           partial[g * (d + 2) + 1] = exp_inplace(s, len, partial[g * (d + 2)]);
@@ -3340,6 +3417,25 @@ void flash_prefill(const c10::BFloat16* q, int64_t q_token_stride, const C* key_
 // One request's prefill chunk: bf16 with head_dim 64, 128 or 256 (the flash kernel above), or
 // fp32 on a plain fp32 cache with head_dim a multiple of 8 (prefill_attention_f32.h). The caller
 // keeps its torch path otherwise: `prefill_attention_supported`, `prefill_attention_f32_supported`.
+// A quantized cache's rows at the sequence's slots, dequantized: out[h][pos][i] =
+// float(code) * float(scale) of slot slots[pos] of KV head h (one fp32 product, the value
+// kv_cache.py's dequantize_kv gives). codes: (Hkv, num_slots, D), scales (Hkv, num_slots).
+template <typename C>
+void dequantize_sequence(const C* codes, const c10::Half* scales, const int64_t* slots,
+                         int64_t seq_len, int64_t kv_heads, int64_t num_slots, int64_t d,
+                         float* out) {
+  at::parallel_for(0, kv_heads * seq_len, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / seq_len, pos = task % seq_len;
+      const int64_t slot = h * num_slots + slots[pos];
+      const float s = static_cast<float>(scales[slot]);
+      const C* row = codes + slot * d;
+      float* o = out + task * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = static_cast<float>(row[i]) * s;
+    }
+  });
+}
+
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor block_ids, int64_t context_len, double scale,
                                 c10::optional<torch::Tensor> key_scale,
@@ -3356,14 +3452,37 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch:
   torch::Tensor out = torch::empty({tokens, heads, d}, q.options());
   if (q.scalar_type() == torch::kFloat) {
 #ifdef PAGEDSERVE_FLASH_F32
-    TORCH_CHECK(!quantized && key_cache.scalar_type() == torch::kFloat,
-                "fp32 queries need a plain fp32 cache");
+    TORCH_CHECK(quantized || key_cache.scalar_type() == torch::kFloat,
+                "fp32 queries need an fp32 or a quantized cache");
     TORCH_CHECK(d % 8 == 0, "head_dim must be a multiple of 8");
     const int64_t seq_len = context_len + tokens;
     std::vector<int64_t> slots(seq_len);
     const int64_t* id = ids.data_ptr<int64_t>();
     for (int64_t pos = 0; pos < seq_len; ++pos)
       slots[pos] = id[pos / block_size] * block_size + pos % block_size;
+    if (quantized) {
+      // The sequence's codes dequantized once (code * scale, in fp32, as kv_cache.py's
+      // dequantize_kv) into dense (Hkv, seq_len, D) keys and values, which the kernel then reads
+      // at positions 0 .. seq_len: a task reads each key once per 8 query tokens, and widening a
+      // code at every read cost more than the products it feeds.
+      torch::Tensor keys = torch::empty({kv_heads, seq_len, d}, q.options());
+      torch::Tensor values = torch::empty({kv_heads, seq_len, d}, q.options());
+      const int64_t num_slots = key_cache.size(1) * block_size;
+      DISPATCH_KV_CODES(key_cache.scalar_type(), "prefill_attention", [&] {
+        dequantize_sequence(key_cache.data_ptr<cache_t>(), key_scale->data_ptr<c10::Half>(),
+                            slots.data(), seq_len, kv_heads, num_slots, d,
+                            keys.data_ptr<float>());
+        dequantize_sequence(value_cache.data_ptr<cache_t>(), value_scale->data_ptr<c10::Half>(),
+                            slots.data(), seq_len, kv_heads, num_slots, d,
+                            values.data_ptr<float>());
+      });
+      std::iota(slots.begin(), slots.end(), int64_t{0});
+      const F32Prefill args{q.data_ptr<float>(), q.stride(0), keys.data_ptr<float>(),
+                            values.data_ptr<float>(), seq_len * d, slots.data(), context_len,
+                            tokens, heads, d, static_cast<float>(scale), out.data_ptr<float>()};
+      flash_prefill_f32(args, kv_heads);
+      return out;
+    }
     const F32Prefill args{q.data_ptr<float>(), q.stride(0), key_cache.data_ptr<float>(),
                           value_cache.data_ptr<float>(), key_cache.size(1) * block_size * d,
                           slots.data(), context_len, tokens, heads, d,

@@ -255,13 +255,16 @@ def test_a_short_sequence_gets_the_same_bits_beside_a_long_prefill(backend, head
                            batch[start:end])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8, torch.float8_e4m3fn],
+                         ids=["fp32", "int8", "fp8"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 4, 128),
                                                              (6, 2, 16)])
 def test_query_heads_sharing_a_kv_head_get_the_bits_of_one_head_each(num_heads, num_kv_heads,
-                                                                     head_dim):
-    """The kernel scores the query heads of a KV head together (on AVX2 in fp32, three per
-    pass over the keys); with each KV head copied once per query head (group 1) every head is
-    scored alone. Both must give the same bits."""
+                                                                     head_dim, cache_dtype):
+    """The kernel scores the query heads of a KV head together (on AVX2 three per pass over the
+    keys, and against a quantized cache each value row's codes widened once for three heads);
+    with each KV head copied once per query head (group 1) every head is attended alone. Both
+    must give the same bits."""
     kernels = cpu_ops.load()
     if kernels is None:
         pytest.skip("the compiled CPU kernels are unavailable here")
@@ -269,14 +272,19 @@ def test_query_heads_sharing_a_kv_head_get_the_bits_of_one_head_each(num_heads, 
     blocks_per_seq = -(-seq_len // block_size)
     num_blocks = num_seqs * blocks_per_seq + 1
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    key_cache, value_cache = torch.randn(shape), torch.randn(shape)
+    if cache_dtype == torch.float32:
+        caches = [torch.randn(shape), torch.randn(shape)]
+    else:  # codes and per-row fp16 scales (attention/kv_cache.py's layout)
+        caches = [(torch.randn(shape) * 40).clamp(-127, 127).to(cache_dtype) for _ in range(2)]
+        caches += [(torch.rand(shape[:3]) * 0.05 + 0.001).half() for _ in range(2)]
     table = torch.arange(1, num_blocks).view(num_seqs, blocks_per_seq)
     rows, lens = torch.arange(num_seqs), torch.tensor([seq_len, seq_len - 5, 37])
     q = torch.randn(num_seqs, num_heads, head_dim)
-    grouped = kernels.paged_attention(q, key_cache, value_cache, table, rows, lens, 0.125)
-    one_each = kernels.paged_attention(
-        q, key_cache.repeat_interleave(group, 0), value_cache.repeat_interleave(group, 0),
-        table, rows, lens, 0.125)
+    key_cache, value_cache, *scales = caches
+    grouped = kernels.paged_attention(q, key_cache, value_cache, table, rows, lens, 0.125, *scales)
+    copied = [c.repeat_interleave(group, 0) for c in caches]
+    one_each = kernels.paged_attention(q, copied[0], copied[1], table, rows, lens, 0.125,
+                                       *copied[2:])
     assert torch.equal(grouped, one_each)
 
 

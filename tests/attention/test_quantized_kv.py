@@ -28,10 +28,11 @@ from pagedserve.attention.kv_cache import (
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.paged import write_kv_index_copy
 from pagedserve.attention.reference import reference_paged_attention
+from pagedserve.engine.arg_utils import resolve_dtype
 from pagedserve.kernels import cpu_ops
 from pagedserve.sampling_params import SamplingParams
 from tests.attention.batches import scattered_block_tables
-from tests.cpu import NATIVE_BF16
+
 
 BLOCK_SIZE = 4
 NUM_HEADS, NUM_KV_HEADS = 6, 2  # GQA: 3 query heads per KV head
@@ -310,12 +311,12 @@ def _teacher_forced(llm, token_ids: list[int]) -> tuple[float, list[int]]:
     return math.exp(-statistics.mean(logprobs)), top
 
 
-@NATIVE_BF16
 @pytest.mark.slow
 def test_quantized_kv_quality_on_the_real_model(make_llm, tokenizer):
-    """bf16 engine, default settings; the text prefilled in 256-token chunks, so every chunk after
-    the first attends to KV read back from the (quantized) cache. Teacher-forced: perplexity, and
-    how often the most likely next token is bf16 KV's (free-running greedy agreement is a poor
+    """The engine in this CPU's default dtype (bf16 where it multiplies bf16 natively, else fp32),
+    default settings; the text prefilled in 256-token chunks, so every chunk after the first
+    attends to KV read back from the (quantized) cache. Teacher-forced: perplexity, and how often
+    the most likely next token is the unquantized KV's (free-running greedy agreement is a poor
     bound: one near-tie early in a sequence changes every token after it)."""
     from tests.prompts import PARITY_PROMPTS
 
@@ -324,18 +325,19 @@ def test_quantized_kv_quality_on_the_real_model(make_llm, tokenizer):
     assert len(token_ids) > 1500
     results = {}
     for kv_dtype in ["auto", "int8", "fp8"]:
-        llm = make_llm(dtype="bfloat16", kv_cache_dtype=kv_dtype, max_num_batched_tokens=256,
+        llm = make_llm(dtype="auto", kv_cache_dtype=kv_dtype, max_num_batched_tokens=256,
                        enable_prefix_caching=False)
         results[kv_dtype] = _teacher_forced(llm, token_ids)
     base_ppl, base_top = results["auto"]
-    report, agreement = [f"perplexity over {len(token_ids)} tokens: bf16 KV {base_ppl:.4f}"], {}
+    dtype = resolve_dtype("auto", "cpu")
+    report, agreement = [f"perplexity over {len(token_ids)} tokens: {dtype} KV {base_ppl:.4f}"], {}
     for kv_dtype in ["int8", "fp8"]:
         ppl, top = results[kv_dtype]
         later = slice(256, None)  # the positions that read the cache
         agreement[kv_dtype] = statistics.mean(
             a == b for a, b in zip(base_top[later], top[later]))
         report.append(f"{kv_dtype} {ppl:.4f} ({ppl / base_ppl - 1:+.2%}); most likely next "
-                      f"token equal to bf16 KV's past the first chunk: {agreement[kv_dtype]:.1%}")
+                      f"token equal to {dtype} KV's past the first chunk: {agreement[kv_dtype]:.1%}")
     print("\n" + "; ".join(report))
     assert abs(results["int8"][0] / base_ppl - 1) < 0.01, results
     assert abs(results["fp8"][0] / base_ppl - 1) < 0.05, results
