@@ -981,6 +981,32 @@ inline void outlier_rows(const c10::Half* w, int64_t count, int64_t stride, cons
 }
 #endif
 
+#if !defined(PAGEDSERVE_AVX512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// tile[i][0..15] += sum_j x[i * x_stride + j] * wide[j][0..15] for kRows rows and `chunk`
+// channels in order (widened weights, add_outliers).
+template <int kRows>
+inline void outlier_rows_avx2(const float* wide, int64_t chunk, const float* x, int64_t x_stride,
+                              float* tile) {
+  __m256 lo[kRows], hi[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    lo[i] = _mm256_loadu_ps(tile + i * 16);
+    hi[i] = _mm256_loadu_ps(tile + i * 16 + 8);
+  }
+  for (int64_t j = 0; j < chunk; ++j) {
+    const __m256 w_lo = _mm256_load_ps(wide + j * 16), w_hi = _mm256_load_ps(wide + j * 16 + 8);
+    for (int i = 0; i < kRows; ++i) {
+      const __m256 xj = _mm256_set1_ps(x[i * x_stride + j]);
+      lo[i] = _mm256_fmadd_ps(xj, w_lo, lo[i]);
+      hi[i] = _mm256_fmadd_ps(xj, w_hi, hi[i]);
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    _mm256_storeu_ps(tile + i * 16, lo[i]);
+    _mm256_storeu_ps(tile + i * 16 + 8, hi[i]);
+  }
+}
+#endif
+
 inline void add_outliers(const OutlierChannels& outliers, const float* x, int rows, int64_t col0,
                          float* tile) {
   const c10::Half* w = outliers.weights + col0;
@@ -998,19 +1024,25 @@ inline void add_outliers(const OutlierChannels& outliers, const float* x, int ro
     default: return outlier_rows<1>(w, count, outliers.stride, x, tile);
   }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  for (int i = 0; i < rows; ++i) {  // 2 x 8 rows of accumulators would spill: row by row
-    const float* xi = x + i * count;
-    const c10::Half* wi = w;
-    __m256 lo = _mm256_loadu_ps(tile + i * 16), hi = _mm256_loadu_ps(tile + i * 16 + 8);
-    for (int64_t j = 0; j < count; ++j, wi += outliers.stride) {
-      const __m256 xj = _mm256_set1_ps(xi[j]);
-      lo = _mm256_fmadd_ps(
-          xj, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi))), lo);
-      hi = _mm256_fmadd_ps(
-          xj, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi + 8))), hi);
+  // 16 channels' weights at a time widened once for every row of the tile (widened per row,
+  // they cost two conversions per channel and row), then 4 rows at a time: 8 independent FMA
+  // chains, where one row's 2 waited on the FMA latency. Each row still takes its channels in
+  // order, one FMA each: the same bits.
+  alignas(32) float wide[16 * 16];
+  for (int64_t j0 = 0; j0 < count; j0 += 16) {
+    const int64_t chunk = std::min<int64_t>(16, count - j0);
+    for (int64_t j = 0; j < chunk; ++j) {
+      const c10::Half* wj = w + (j0 + j) * outliers.stride;
+      _mm256_store_ps(wide + j * 16,
+                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj))));
+      _mm256_store_ps(wide + j * 16 + 8,
+                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 8))));
     }
-    _mm256_storeu_ps(tile + i * 16, lo);
-    _mm256_storeu_ps(tile + i * 16 + 8, hi);
+    int i = 0;
+    for (; i + 4 <= rows; i += 4)
+      outlier_rows_avx2<4>(wide, chunk, x + i * count + j0, count, tile + i * 16);
+    for (; i < rows; ++i)
+      outlier_rows_avx2<1>(wide, chunk, x + i * count + j0, count, tile + i * 16);
   }
 #else
   for (int i = 0; i < rows; ++i)
