@@ -10,7 +10,9 @@ build's int8 mode on the AMX tiles against this build with them off (the VNNI ke
 The weights are a random matrix quantized to 4-bit groups of 32 (`--qtype int4`, GGUF's Q4_1
 form), 5-bit (`int5`, Q5_1) or 8-bit (`int8`, Q8_0); the activations are random rows. Each figure is the median
 of `--iterations` calls after one warm-up; modes run interleaved, so a slow spell of the
-machine lands on all of them. GFLOP/s counts 2 * rows * N * K.
+machine lands on all of them. GFLOP/s counts 2 * rows * N * K. `--outlier-channels N` gives the
+int8 layers N input channels multiplied exactly (layers/outliers.py; the model's int8 layers
+take 16), chosen at random.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-kernels", default=None, metavar="PATH",
                         help="another build's _cpu_ops*.so: its int16 and int8 modes are timed "
                              "beside this build's (column 'base int16' etc.)")
+    parser.add_argument("--outlier-channels", type=int, default=0, metavar="N",
+                        help="N outlier input channels in the int8 layers (the model's take "
+                             "16)")
     parser.add_argument("--compare-tiles", action="store_true",
                         help="the baseline is this build with the AMX tiles off (a copy of its "
                              "module): int8 on the tiles against the VNNI kernel")
@@ -103,14 +108,16 @@ def kernel_call(kernels, layer, x: torch.Tensor):
     """`layer`'s product of x by a build of the kernels, called straight: every build the same
     way (the layer's Python wrapper would weigh on one side only, ~30% of the call at one row)."""
     return partial(kernels.quant_linear, x, layer.codes, layer.scales, layer.mins,
-                   layer.out_features, layer.bits, layer.activation_bits, None)
+                   layer.out_features, layer.bits, layer.activation_bits, None,
+                   layer.outlier_channels, layer.outlier_weights)
 
 
 def measure(shapes: list[tuple[int, int]], rows: list[int], qtype: str, iterations: int,
-            seed: int = 0, baseline=None) -> list[dict]:
+            seed: int = 0, baseline=None, outlier_channels: int = 0) -> list[dict]:
     """One record per (shape, rows): median milliseconds per mode ("dense" and MODES, and with
     `baseline` (load_kernels) "base int16" and "base int8", whose outputs must equal this
-    build's bit for bit)."""
+    build's bit for bit); the int8 layers with `outlier_channels` random outlier input
+    channels."""
     from pagedserve.kernels import cpu_ops
     from pagedserve.layers.quantized import GroupQuantizedWeight, quantize_weight
 
@@ -125,6 +132,9 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], qtype: str, iteratio
         dense = weight.dequantize().float()
         layers = {mode: GroupQuantizedWeight(weight, ops, torch.float32, bits)
                   for mode, bits in MODES.items()}
+        if outlier_channels:
+            channels = torch.randperm(k, generator=generator)[:outlier_channels].sort().values
+            layers["int8"].set_outlier_channels(channels)
         for m in rows:
             x = torch.randn(m, k, generator=generator)
             calls = {"dense": partial(F.linear, x, dense)}
@@ -161,15 +171,17 @@ def main(args: argparse.Namespace) -> int:
     baseline = load_kernels(args.baseline_kernels) if args.baseline_kernels else None
     if args.compare_tiles:
         baseline = untiled_copy()
-    records = measure(shapes, rows, args.qtype, args.iterations, baseline=baseline)
+    records = measure(shapes, rows, args.qtype, args.iterations, baseline=baseline,
+                      outlier_channels=args.outlier_channels)
     from pagedserve.kernels import cpu_ops
 
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, {args.qtype} codes, fp32 "
-          f"activations, tiles {cpu_ops.load().tiles()}"
+          f"activations, {args.outlier_channels} outlier channels, tiles {cpu_ops.load().tiles()}"
           f"{' (base: off)' if args.compare_tiles else ''}; median of {args.iterations} "
           "calls, ms (GFLOP/s)")
     modes = list(records[0]["ms"]) if records else []
-    ratios = [("dense", "int16")] + ([("base int16", "int16")] if baseline else [])
+    ratios = [("dense", "int16")] + ([("base int16", "int16"), ("base int8", "int8")]
+                                     if baseline else [])
     if args.compare_tiles:
         ratios = [("dense", "int16"), ("base int8", "int8")]
     print(f"{'N x K':>12}{'rows':>6}" + "".join(f"{mode:>18}" for mode in modes)

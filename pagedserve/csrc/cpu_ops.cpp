@@ -1007,8 +1007,16 @@ inline void outlier_rows_avx2(const float* wide, int64_t chunk, const float* x, 
 }
 #endif
 
-inline void add_outliers(const OutlierChannels& outliers, const float* x, int rows, int64_t col0,
-                         float* tile) {
+// Without AVX-512 not inlined: inlined, it changed how the compiler laid out quant_linear_impl's
+// tile loop, and the int8 product ran 2-7% slower even without outlier channels (`bench matmul
+// --baseline-kernels`, Zen 3).
+#ifdef PAGEDSERVE_AVX512
+inline
+#else
+__attribute__((noinline))
+#endif
+void add_outliers(const OutlierChannels& outliers, const float* x, int rows, int64_t col0,
+                  float* tile) {
   const c10::Half* w = outliers.weights + col0;
   const int64_t count = outliers.count;
 #if defined(PAGEDSERVE_AVX512)
