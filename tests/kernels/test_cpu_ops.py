@@ -477,10 +477,12 @@ def test_bench_matmul_times_every_mode_on_the_same_weights(capsys, tmp_path):
     shutil.copy(ops.__file__, baseline)
     args = build_parser().parse_args(["bench", "matmul", "--shapes", "16x32", "--rows", "3,9",
                                       "--qtype", "int8", "--iterations", "1",
+                                      "--outlier-channels", "4",
                                       "--baseline-kernels", str(baseline)])
     assert args.func(args) == 0
     table = capsys.readouterr().out.splitlines()
-    assert "int8 codes" in table[0] and "base int16 / int16" in table[1]
+    assert "int8 codes" in table[0] and "4 outlier channels" in table[0]
+    assert "base int16 / int16" in table[1] and "base int8 / int8" in table[1]
     assert [line.split()[:4] for line in table[2:]] == [["16", "x", "32", "3"],
                                                         ["16", "x", "32", "9"]]
 
