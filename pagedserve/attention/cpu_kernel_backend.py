@@ -4,11 +4,12 @@ The kernels read the cache in place: decodes and short chunks (a sequence's at m
 KERNEL_MAX_TOKENS queries of a step) through `paged_attention`, longer prefill chunks through
 `prefill_attention`: bf16 on AVX512-BF16 (2-3x the torch paths), fp32 on AVX2 + FMA
 (csrc/prefill_attention_f32.h; 1.36-3.1x the torch paths on AMD EPYC Zen 3,
-`pagedserve bench attention`; a quantized cache dequantized once per chunk). Where a step's shape is not theirs the torch functions of
-attention/paged.py run, exactly as that backend would: queries whose heads are not dense, prefill
-chunks whose dtype, cache or head_dim the prefill kernels do not take, and layers with a sliding
-window in steps where the window hides some key (the kernels know no windows; while every
-sequence of the step fits in the window, it changes nothing and the kernels serve).
+`pagedserve bench attention`; a quantized cache dequantized once per chunk). Where a step's
+shape is not theirs the torch functions of attention/paged.py run, exactly as that backend
+would: queries whose heads are not dense, prefill chunks whose dtype, cache or head_dim the
+prefill kernels do not take, and layers with a sliding window in steps where the window hides
+some key (the kernels know no windows; while every sequence of the step fits in the window, it
+changes nothing and the kernels serve).
 
 A quantized cache (int8 / fp8 codes, fp16 scales: attention/kv_cache.py) goes to the same kernels:
 its scales ride along as the last arguments (`*scales`, empty for a plain cache), the kernels
@@ -140,8 +141,8 @@ class CpuKernelAttentionBackend(AttentionBackend):
         if q.dtype == torch.bfloat16:
             return (q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
                     and self.kernels.prefill_attention_supported())
+        key_cache, _, *scales = kv_cache
         return (
-            q.dtype == torch.float32
-            and (len(kv_cache) == 4 or kv_cache[0].dtype == torch.float32)
+            q.dtype == torch.float32 and (bool(scales) or key_cache.dtype == torch.float32)
             and q.shape[-1] % 8 == 0 and self.kernels.prefill_attention_f32_supported()
         )

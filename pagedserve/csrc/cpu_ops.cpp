@@ -2566,6 +2566,16 @@ void weighted_sum(const T* const* rows, const float* w, int64_t len, int64_t d, 
   }
 }
 
+// run(std::integral_constant<int, k>{}, h) for the heads h .. h + k - 1 of `heads`, three at a time
+// and then the one or two left: the AVX2 attention passes take up to 3 query heads at once.
+template <typename Run>
+inline void by_three_heads(int64_t heads, Run&& run) {
+  int64_t h = 0;
+  for (; h + 3 <= heads; h += 3) run(std::integral_constant<int, 3>{}, h);
+  if (heads - h == 2) run(std::integral_constant<int, 2>{}, h);
+  if (heads - h == 1) run(std::integral_constant<int, 1>{}, h);
+}
+
 #ifdef PAGEDSERVE_AVX2
 // The value sums of kHeads query heads against a quantized cache's rows (codes; their scales
 // are in w): out[h] (at out + h * out_stride) = sum_p w[h * len + p] * rows[p], 16 columns at a
@@ -2605,14 +2615,10 @@ void group_weighted_sum(const T* const* rows, const float* w, int64_t heads, int
 #elif defined(PAGEDSERVE_AVX2)
   if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, c10::BFloat16>) {
     if (d % 64 == 0) {  // codes: widened once for up to 3 heads (weighted_sum's bits)
-      int64_t h = 0;
-      for (; h + 3 <= heads; h += 3)
-        head_weighted_codes<3>(rows, w + h * len, len, d, out + h * out_stride, out_stride);
-      if (heads - h == 2)
-        head_weighted_codes<2>(rows, w + h * len, len, d, out + h * out_stride, out_stride);
-      if (heads - h == 1)
-        head_weighted_codes<1>(rows, w + h * len, len, d, out + h * out_stride, out_stride);
-      return;
+      return by_three_heads(heads, [&](auto k, int64_t h) {
+        head_weighted_codes<decltype(k)::value>(rows, w + h * len, len, d, out + h * out_stride,
+                                                out_stride);
+      });
     }
   }
 #endif
@@ -2669,29 +2675,18 @@ inline void head_key_dots4(const float* q, const C* const* krows, int64_t count,
   }
 }
 
-template <int kHeads>
-inline void head_scores(const float* q, const float* const* krows, int64_t len, int64_t d,
-                        float scale, float* s /* [kHeads][len] */) {
+// s[h * len + p] = (q_h . krows[p]) * scale_of(p) for kHeads heads: scale_of(p) is the softmax
+// scale, or against a quantized cache key p's scale times it (as attention_scores_codes
+// computes each head's, key_dots8's bits), each key's codes widened once for the kHeads heads.
+template <int kHeads, typename C, typename ScaleOf>
+inline void head_scores(const float* q, const C* const* krows, int64_t len, int64_t d,
+                        ScaleOf scale_of, float* s /* [kHeads][len] */) {
   for (int64_t p0 = 0; p0 < len; p0 += 4) {
     const int64_t count = std::min<int64_t>(4, len - p0);
     float sums[kHeads][4];
     head_key_dots4<kHeads>(q, krows + p0, count, d, sums);
     for (int h = 0; h < kHeads; ++h)
-      for (int64_t i = 0; i < count; ++i) s[h * len + p0 + i] = sums[h][i] * scale;
-  }
-}
-
-// head_scores against a quantized cache: (q . codes) * key_scales[p], as attention_scores_codes
-// computes each head's (key_dots8's bits), each key's codes widened once for the kHeads heads.
-template <int kHeads, typename C>
-inline void head_scores_codes(const float* q, const C* const* krows, const float* key_scales,
-                              int64_t len, int64_t d, float* s /* [kHeads][len] */) {
-  for (int64_t p0 = 0; p0 < len; p0 += 4) {
-    const int64_t count = std::min<int64_t>(4, len - p0);
-    float sums[kHeads][4];
-    head_key_dots4<kHeads>(q, krows + p0, count, d, sums);
-    for (int h = 0; h < kHeads; ++h)
-      for (int64_t i = 0; i < count; ++i) s[h * len + p0 + i] = sums[h][i] * key_scales[p0 + i];
+      for (int64_t i = 0; i < count; ++i) s[h * len + p0 + i] = sums[h][i] * scale_of(p0 + i);
   }
 }
 #endif
@@ -2730,11 +2725,10 @@ void group_attention_scores(const T* q, int64_t group, const T* const* krows, in
 #ifdef PAGEDSERVE_AVX2
   if constexpr (std::is_same_v<T, float>) {
     if (d % 8 == 0) {
-      int64_t g = 0;
-      for (; g + 3 <= group; g += 3) head_scores<3>(q + g * d, krows, len, d, scale, s + g * len);
-      if (group - g == 2) head_scores<2>(q + g * d, krows, len, d, scale, s + g * len);
-      if (group - g == 1) head_scores<1>(q + g * d, krows, len, d, scale, s + g * len);
-      return;
+      return by_three_heads(group, [&](auto k, int64_t g) {
+        head_scores<decltype(k)::value>(q + g * d, krows, len, d,
+                                        [scale](int64_t) { return scale; }, s + g * len);
+      });
     }
   }
 #endif
@@ -2794,12 +2788,11 @@ void group_attention_scores_codes(const float* q32, int64_t group, const C* cons
                                   const C* const* vrows) {
 #ifdef PAGEDSERVE_AVX2
   if (d % 8 == 0) {
-    int64_t g = 0;
-    for (; g + 3 <= group; g += 3)
-      head_scores_codes<3>(q32 + g * d, krows, key_scales, len, d, s + g * len);
-    if (group - g == 2) head_scores_codes<2>(q32 + g * d, krows, key_scales, len, d, s + g * len);
-    if (group - g == 1) head_scores_codes<1>(q32 + g * d, krows, key_scales, len, d, s + g * len);
-    return;
+    return by_three_heads(group, [&](auto k, int64_t g) {
+      head_scores<decltype(k)::value>(q32 + g * d, krows, len, d,
+                                      [key_scales](int64_t p) { return key_scales[p]; },
+                                      s + g * len);
+    });
   }
 #endif
   for (int64_t g = 0; g < group; ++g)
