@@ -123,7 +123,7 @@ class MoEConfig:
                 f"{self.expert_intermediate_size} and {self.shared_expert_intermediate_size}")
 
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp16")
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     """Fix the block count instead of deriving it from the memory budget (tests use tiny pools)."""
     cache_dtype: str = "auto"
-    """KV cache element type: "auto" (the compute dtype), "int8" or "fp8" (e4m3), both with
-    scales stored beside the KV (attention/kv_cache.py)."""
+    """KV cache element type: "auto" (the compute dtype), "int8", "fp8" (e4m3) or "fp16", each
+    with scales stored beside the KV (attention/kv_cache.py)."""
     gpu_memory_utilization: float | None = None
     """cuda only: the pool is this fraction of device memory less what is allocated once the
     weights are loaded (vLLM's flag); None: kv_cache_memory_bytes."""

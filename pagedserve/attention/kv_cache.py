@@ -3,7 +3,7 @@
 One layer's cache (a `KVCache`) is a tuple of tensors, each with the block index on dim 1, so a
 block's whole KV is `[t[:, block_id] for t in kv_cache]`:
   compute dtype ("auto"): (key, value), each (Hkv, num_blocks, block_size, D)
-  int8 / fp8 (e4m3):      (key, value, key_scale, value_scale): codes as above, scales
+  int8 / fp8 (e4m3) / fp16: (key, value, key_scale, value_scale): codes as above, scales
                           (Hkv, num_blocks, block_size) fp16
 Head-major (see paged.py for why). Quantization is symmetric, one scale per (KV head, token):
 x ~= code * scale, scale = absmax(x over D) / QUANT_MAX, so writing a token never re-quantizes
@@ -26,10 +26,13 @@ import torch
 KVCache = tuple[torch.Tensor, ...]
 """One layer's cache: (key, value) or (key, value, key_scale, value_scale); see above."""
 
-QUANTIZED_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-"""--kv-cache-dtype -> the element type of the codes ("auto" keeps the compute dtype)."""
-QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-"""The largest code: absmax maps to it (e4m3's largest finite value is 448)."""
+QUANTIZED_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp16": torch.float16}
+"""--kv-cache-dtype -> the element type of the codes ("auto" keeps the compute dtype). fp16 is for
+an fp32 engine: half its cache's bytes, rounded at fp16's 11 bits (llama.cpp's default KV type);
+as codes with a scale it cannot overflow (|code| <= 1) and it runs the quantized caches' kernels."""
+QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float16: 1.0}
+"""The largest code: absmax maps to it (e4m3's largest finite value is 448; fp16's precision is
+the same at any magnitude, so 1)."""
 SCALE_DTYPE = torch.float16
 """fp16 scales: 2 bytes per (head, token) against 4 for fp32, which is 3% of an int8 token-head
 at head_dim 64 (bf16 128 B vs int8 64 + 2 B: 1.94x the tokens; fp32 scales: 1.88x). The rounded
@@ -51,7 +54,7 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
-    """K/V elements: the compute dtype, or int8 / float8_e4m3fn codes."""
+    """K/V elements: the compute dtype, or int8 / float8_e4m3fn / float16 codes."""
     scale_dtype: torch.dtype | None = None
     """None: K/V stored as they are; else the per-(head, token) scales' dtype."""
     layer_slots: tuple[int, ...] = ()
@@ -63,7 +66,7 @@ class KVCacheSpec:
         cls, cache_dtype: str, compute_dtype: torch.dtype, num_layers: int, num_kv_heads: int,
         head_dim: int, block_size: int, layer_slots: tuple[int, ...] = (),
     ) -> KVCacheSpec:
-        """cache_dtype: CacheConfig.cache_dtype ("auto", "int8" or "fp8")."""
+        """cache_dtype: CacheConfig.cache_dtype ("auto", "int8", "fp8" or "fp16")."""
         if layer_slots and len(layer_slots) != num_layers:
             raise ValueError(f"{len(layer_slots)} layer slots for {num_layers} layers")
         if cache_dtype == "auto":
@@ -149,7 +152,8 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
     The compiled write (csrc/cpu_ops.cpp write_kv) does the same fp32 arithmetic, so both store
     the same bits: scale = clamp(absmax / QUANT_MAX) rounded to fp16, codes = x / scale rounded
-    (int8: half to even, clamped to +-127; fp8: clamped to +-448, rounded by the e4m3 cast)."""
+    (int8: half to even, clamped to +-127; fp8 / fp16: clamped to +-448 / +-1, rounded by the
+    cast)."""
     qmax = QUANT_MAX[dtype]
     x32 = x.float()
     scale = (x32.abs().amax(dim=-1) / qmax).clamp_(SCALE_MIN, SCALE_MAX).to(SCALE_DTYPE)

@@ -82,6 +82,7 @@ inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 inline float to_float(c10::Float8_e4m3fn v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
 
 template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }
@@ -110,6 +111,9 @@ inline __m512 load16(const c10::Float8_e4m3fn* p) {
   const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i half_bits = _mm256_and_si256(_mm256_slli_epi16(words, 7), _mm256_set1_epi16(-0x4080));
   return _mm512_mul_ps(_mm512_cvtph_ps(half_bits), _mm512_set1_ps(256.f));
+}
+inline __m512 load16(const c10::Half* p) {  // fp16 codes (--kv-cache-dtype fp16)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // bf16 bits of 16 floats, rounded to nearest even (as c10::BFloat16 converts).
@@ -178,6 +182,9 @@ inline __m256 load8(const c10::Float8_e4m3fn* p) {  // load16's fp16 placement, 
   const __m128i words = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   const __m128i half_bits = _mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16(-0x4080));
   return _mm256_mul_ps(_mm256_cvtph_ps(half_bits), _mm256_set1_ps(256.f));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline __m256i bf16_bits8(__m256 v) {  // round to nearest even, as c10::BFloat16 converts
   const __m256i bits = _mm256_castps_si256(v);
@@ -3074,7 +3081,12 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
       using cache_t = int8_t;                                                              \
       return __VA_ARGS__();                                                                \
     }                                                                                      \
-    TORCH_CHECK((TYPE) == at::kFloat8_e4m3fn, NAME ": quantized KV is int8 or float8_e4m3fn"); \
+    if ((TYPE) == at::kHalf) {                                                             \
+      using cache_t = c10::Half;                                                           \
+      return __VA_ARGS__();                                                                \
+    }                                                                                      \
+    TORCH_CHECK((TYPE) == at::kFloat8_e4m3fn,                                              \
+                NAME ": quantized KV is int8, float8_e4m3fn or float16");                  \
     using cache_t = c10::Float8_e4m3fn;                                                    \
     return __VA_ARGS__();                                                                  \
   }()
@@ -3661,8 +3673,12 @@ inline int8_t quantize_code(float x, int8_t*) {
 inline c10::Float8_e4m3fn quantize_code(float x, c10::Float8_e4m3fn*) {
   return c10::Float8_e4m3fn(std::min(std::max(x, -448.f), 448.f));
 }
+inline c10::Half quantize_code(float x, c10::Half*) {  // rounded to nearest even, as torch
+  return c10::Half(std::min(std::max(x, -1.f), 1.f));
+}
 inline float quant_max(int8_t*) { return 127.f; }
 inline float quant_max(c10::Float8_e4m3fn*) { return 448.f; }
+inline float quant_max(c10::Half*) { return 1.f; }
 
 // One row of D values -> its codes and scale.
 template <typename T, typename C>

@@ -49,7 +49,7 @@ emulated: a 200-token prefill ran 66 tok/s in bf16 against 386 tok/s in fp32 on 
 (AVX2 only)."""
 QUANTIZATION_ALIASES = {"gguf": "auto"}
 """vLLM's --quantization gguf: the GGUF file's own quantization, which auto keeps."""
-KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "float16": "fp16"}
 
 
 def resolve_dtype(dtype: str, device: str, cpu_flags: set[str] | None = None) -> str:
@@ -180,7 +180,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     """Fix the number of KV blocks instead of sizing the pool from memory."""
     kv_cache_dtype: str = "auto"
-    """auto: KV in the compute dtype; int8 / fp8 (e4m3): quantized, scales stored beside it."""
+    """auto: KV in the compute dtype; int8 / fp8 (e4m3) / fp16: codes with scales beside them."""
     disable_hybrid_kv_cache_manager: bool = False
     """One block table for every layer: windowed layers keep every block and mask (vLLM's
     flag). Also the case, whatever this says, with KV tiers or pipeline stages."""

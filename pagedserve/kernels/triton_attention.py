@@ -59,7 +59,8 @@ def _round_to_e4m3(x):
 @triton.jit
 def _store_token_heads(
     x_ptr, stride_x_h, cache_ptr, scale_cache_ptr, cache_offsets, scale_offsets, heads, dims,
-    mask, head_mask, QUANTIZED: tl.constexpr, IS_INT8: tl.constexpr, QMAX: tl.constexpr,
+    mask, head_mask, QUANTIZED: tl.constexpr, IS_INT8: tl.constexpr, IS_FP16: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     """One token's (heads, dims) tile of K or V into its cache slot: as it is, or as codes with
     one fp16 scale per head, computed as kv_cache.quantize_kv computes them."""
@@ -74,6 +75,8 @@ def _store_token_heads(
         scaled = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
         if IS_INT8:
             codes = ((scaled + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int8)
+        elif IS_FP16:
+            codes = scaled.to(tl.float16)  # round to nearest even, as torch's cast
         else:
             codes = _round_to_e4m3(scaled).to(tl.float8e4nv)
         tl.store(cache_ptr + cache_offsets, codes, mask=mask)
@@ -90,7 +93,8 @@ def _write_kv_kernel(
     stride_c_h, stride_c_b, stride_c_t, stride_s_h, stride_s_b,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-    QUANTIZED: tl.constexpr, IS_INT8: tl.constexpr, QMAX: tl.constexpr,
+    QUANTIZED: tl.constexpr, IS_INT8: tl.constexpr, IS_FP16: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     """One program per token: all its KV heads at once."""
     token = tl.program_id(0).to(tl.int64)
@@ -109,10 +113,10 @@ def _write_kv_kernel(
     scale_offsets = heads.to(tl.int64) * stride_s_h + block * stride_s_b + offset
     _store_token_heads(k_ptr + token * stride_k_t, stride_k_h, key_cache_ptr, key_scale_ptr,
                        cache_offsets, scale_offsets, heads, dims, mask, head_mask,
-                       QUANTIZED, IS_INT8, QMAX)
+                       QUANTIZED, IS_INT8, IS_FP16, QMAX)
     _store_token_heads(v_ptr + token * stride_v_t, stride_v_h, value_cache_ptr, value_scale_ptr,
                        cache_offsets, scale_offsets, heads, dims, mask, head_mask,
-                       QUANTIZED, IS_INT8, QMAX)
+                       QUANTIZED, IS_INT8, IS_FP16, QMAX)
 
 
 def write_kv(
@@ -147,7 +151,8 @@ def write_kv(
         key_scale.stride(0), key_scale.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         HEADS_PAD=heads_pad, DIM_PAD=dim_pad, QUANTIZED=quantized,
-        IS_INT8=key_cache.dtype == torch.int8, QMAX=qmax,
+        IS_INT8=key_cache.dtype == torch.int8,
+        IS_FP16=quantized and key_cache.dtype == torch.float16, QMAX=qmax,
         num_warps=4 if heads_pad * dim_pad >= 4096 else 2,
     )
 

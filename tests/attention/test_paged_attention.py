@@ -255,8 +255,8 @@ def test_a_short_sequence_gets_the_same_bits_beside_a_long_prefill(backend, head
                            batch[start:end])
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8, torch.float8_e4m3fn],
-                         ids=["fp32", "int8", "fp8"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8, torch.float8_e4m3fn,
+                                         torch.float16], ids=["fp32", "int8", "fp8", "fp16"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 4, 128),
                                                              (6, 2, 16)])
 def test_query_heads_sharing_a_kv_head_get_the_bits_of_one_head_each(num_heads, num_kv_heads,
