@@ -49,7 +49,28 @@ emulated: a 200-token prefill ran 66 tok/s in bf16 against 386 tok/s in fp32 on 
 (AVX2 only)."""
 QUANTIZATION_ALIASES = {"gguf": "auto"}
 """vLLM's --quantization gguf: the GGUF file's own quantization, which auto keeps."""
-KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "float16": "fp16"}
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8", "float16": "fp16", "float32": "fp32"}
+KV_CACHE_DTYPE_CHOICES = (*KV_CACHE_DTYPES, "fp32")
+"""--kv-cache-dtype: CacheConfig's names and fp32 (an fp32 engine's KV as it is computed)."""
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
+    """CacheConfig.cache_dtype for --kv-cache-dtype on an engine computing in `dtype`.
+
+    auto: the compute dtype where it is 16-bit (vLLM's auto); an fp32 engine on the CPU keeps
+    fp16 codes instead, as llama.cpp keeps f16 KV: half the bytes its decode attention streams
+    (the batch-32 step's largest part after the matmuls, bound by memory bandwidth), with
+    perplexity within 0.01% of the fp32 cache (tests/attention/test_quantized_kv.py). fp32: the
+    fp32 cache (CacheConfig's "auto"); it needs an fp32 engine."""
+    name = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    if name == "fp32":
+        if dtype != "float32":
+            raise ValueError(f"--kv-cache-dtype fp32 keeps the KV in the compute dtype, which is "
+                             f"{dtype}: pass --dtype float32 too, or choose auto")
+        return "auto"
+    if name == "auto" and dtype == "float32" and device.startswith("cpu"):
+        return "fp16"
+    return name
 
 
 def resolve_dtype(dtype: str, device: str, cpu_flags: set[str] | None = None) -> str:
@@ -180,7 +201,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     """Fix the number of KV blocks instead of sizing the pool from memory."""
     kv_cache_dtype: str = "auto"
-    """auto: KV in the compute dtype; int8 / fp8 (e4m3) / fp16: codes with scales beside them."""
+    """auto: the compute dtype, fp16 codes on an fp32 CPU engine (`resolve_kv_cache_dtype`);
+    fp32: an fp32 engine's KV as computed; int8 / fp8 (e4m3) / fp16: codes with scales."""
     disable_hybrid_kv_cache_manager: bool = False
     """One block table for every layer: windowed layers keep every block and mask (vLLM's
     flag). Also the case, whatever this says, with KV tiers or pipeline stages."""
@@ -298,7 +320,8 @@ class EngineArgs:
                 gpu_memory_utilization=self._gpu_memory_utilization(),
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                cache_dtype=KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype),
+                cache_dtype=resolve_kv_cache_dtype(
+                    self.kv_cache_dtype, resolve_dtype(self.dtype, self.device), self.device),
                 # KV tiers move whole blocks of every layer; a pipeline stage holds some layers
                 # and schedules ahead (blocks are let go of at scheduling)
                 hybrid_kv_cache=(not self.disable_hybrid_kv_cache_manager
@@ -425,7 +448,7 @@ class EngineArgs:
                                     help='JSON, e.g. {"kv_connector": "DiskConnector", '
                                          '"kv_connector_extra_config": {"path": "/tmp/kv"}}')
             elif f.name == "kv_cache_dtype":
-                parser.add_argument(flag, choices=KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES),
+                parser.add_argument(flag, choices=KV_CACHE_DTYPE_CHOICES + tuple(KV_CACHE_DTYPE_ALIASES),
                                     default=f.default)
             elif f.name == "profiler_dir":
                 parser.add_argument(flag, type=str, default=f.default_factory(),

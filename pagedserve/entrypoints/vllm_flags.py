@@ -113,8 +113,8 @@ VLLM_SERVE_FLAGS: tuple[VLLMFlag, ...] = (
              "the CPU: ignored with a warning (size the pool with --kv-cache-memory-bytes)",
              ("0.5",)),
     VLLMFlag("--block-size", _S, "tokens per KV block (a power of two; default 16)", ("32",)),
-    VLLMFlag("--kv-cache-dtype", _M, "auto, int8, fp8 (e4m3; fp8_e4m3 is the same), fp16 "
-             "(float16; for an fp32 engine)", ("fp8_e4m3",)),
+    VLLMFlag("--kv-cache-dtype", _M, "auto (the compute dtype; fp16 on an fp32 CPU engine), "
+             "fp32, fp16, int8, fp8 (e4m3; fp8_e4m3 is the same)", ("fp8_e4m3",)),
     VLLMFlag("--num-gpu-blocks-override", _S, "fixes the block count", ("64",)),
     VLLMFlag("--enable-prefix-caching", _S, "default on; --no-enable-prefix-caching"),
     VLLMFlag("--disable-hybrid-kv-cache-manager", _S, "one block table for every layer: "

@@ -248,8 +248,8 @@ def test_engine_runs_on_quantized_kv_with_twice_the_blocks(tiny_model_dir, kv_dt
     """Same memory budget: ~2x the blocks (scales counted) of a cache in the compute dtype (bf16;
     fp32 for fp16 codes); chunked prompts and decodes run on the quantized cache; every block is
     free afterwards."""
-    dtype = "float32" if kv_dtype == "fp16" else "bfloat16"
-    plain = _tiny_llm(tiny_model_dir, dtype=dtype)
+    dtype, plain_kv = ("float32", "fp32") if kv_dtype == "fp16" else ("bfloat16", "auto")
+    plain = _tiny_llm(tiny_model_dir, dtype=dtype, kv_cache_dtype=plain_kv)
     quantized = _tiny_llm(tiny_model_dir, dtype=dtype, kv_cache_dtype=kv_dtype)
     ratio = _num_blocks(quantized) / _num_blocks(plain)
     assert 1.8 < ratio <= 2, ratio
@@ -325,13 +325,14 @@ def test_quantized_kv_quality_on_the_real_model(make_llm, tokenizer):
     # ~2,300 tokens: the declaration, then a long Python source (textwrap)
     token_ids = tokenizer.encode(TEXT + "\n\n" + PARITY_PROMPTS[9])
     assert len(token_ids) > 1500
+    dtype = resolve_dtype("auto", "cpu")
+    unquantized = "fp32" if dtype == "float32" else "auto"  # (auto is fp16 on an fp32 engine)
     results = {}
-    for kv_dtype in ["auto", *KV_DTYPES]:
+    for kv_dtype in [unquantized, *KV_DTYPES]:
         llm = make_llm(dtype="auto", kv_cache_dtype=kv_dtype, max_num_batched_tokens=256,
                        enable_prefix_caching=False)
         results[kv_dtype] = _teacher_forced(llm, token_ids)
-    base_ppl, base_top = results["auto"]
-    dtype = resolve_dtype("auto", "cpu")
+    base_ppl, base_top = results[unquantized]
     report, agreement = [f"perplexity over {len(token_ids)} tokens: {dtype} KV {base_ppl:.4f}"], {}
     for kv_dtype in KV_DTYPES:
         ppl, top = results[kv_dtype]
@@ -361,11 +362,11 @@ def test_fp16_kv_is_lossless_with_exact_activations(make_llm, tokenizer):
 
     token_ids = tokenizer.encode(TEXT + "\n\n" + PARITY_PROMPTS[9])
     results = {}
-    for kv_dtype in ["auto", "fp16"]:
+    for kv_dtype in ["fp32", "fp16"]:
         llm = make_llm(dtype="float32", activation_quantization="none", kv_cache_dtype=kv_dtype,
                        max_num_batched_tokens=256, enable_prefix_caching=False)
         results[kv_dtype] = _teacher_forced(llm, token_ids)
-    (base_ppl, base_top), (ppl, top) = results["auto"], results["fp16"]
+    (base_ppl, base_top), (ppl, top) = results["fp32"], results["fp16"]
     agreement = statistics.mean(a == b for a, b in zip(base_top[256:], top[256:]))
     print(f"\nfp32 activations: fp32 KV {base_ppl:.4f}, fp16 KV {ppl:.4f} "
           f"({ppl / base_ppl - 1:+.3%}); next token equal at {agreement:.1%}")

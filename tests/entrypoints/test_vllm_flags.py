@@ -267,6 +267,29 @@ def test_auto_dtype_is_bf16_only_where_the_device_computes_it(dtype, device, fla
     assert resolve_dtype(dtype, device, cpu_flags=flags) == resolved
 
 
+@pytest.mark.parametrize("kv_cache_dtype, dtype, device, resolved", [
+    ("auto", "float32", "cpu", "fp16"),  # half the fp32 cache's bytes
+    ("auto", "bfloat16", "cpu", "auto"),  # the compute dtype, 16-bit already
+    ("auto", "float32", "cuda", "auto"),
+    ("fp32", "float32", "cpu", "auto"),  # the fp32 cache, asked for by name
+    ("float32", "float32", "cpu", "auto"),
+    ("float16", "float32", "cpu", "fp16"),
+    ("fp8_e4m3", "bfloat16", "cpu", "fp8"),
+    ("int8", "float32", "cpu", "int8"),
+])
+def test_kv_cache_dtype_resolves_per_compute_dtype(kv_cache_dtype, dtype, device, resolved):
+    from pagedserve.engine.arg_utils import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype(kv_cache_dtype, dtype, device) == resolved
+
+
+def test_fp32_kv_cache_needs_an_fp32_engine(model_path):
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp32 keeps the KV in the compute dtype"):
+        EngineArgs(model=model_path, dtype="bfloat16", kv_cache_dtype="fp32").create_engine_config()
+    config = EngineArgs(model=model_path, dtype="float32", kv_cache_dtype="fp32").create_engine_config()
+    assert config.cache.cache_dtype == "auto"
+
+
 def test_default_dtype_is_auto_resolved_for_this_machine(model_path):
     config = EngineArgs(model=model_path).create_engine_config()
     assert config.device.dtype == resolve_dtype("auto", "cpu")
