@@ -9,7 +9,8 @@ which also chooses the int8 layers' outlier channels) is tokenized whole and cut
 `prompt_logprobs`; every token of it but the first is scored given those before it in the
 window. `--reference exact` (the default) loads the same model a second time as the exact
 engine, fp32 with the activations unquantized (`--activation-quantization none`: the GGUF's
-dequantized values, up to summation order), and reports it beside the engine under test:
+dequantized values, up to summation order) and fp32 KV, and reports it beside the engine under
+test:
 
     pagedserve bench perplexity --model gemma3-270m --text tests/data/*.txt
 
@@ -100,8 +101,10 @@ def _score(engine_args: EngineArgs, sequences_for: Callable[[Any], list[list[int
 
 
 def exact_engine_args(engine_args: EngineArgs) -> EngineArgs:
-    """The reference: the same model and engine flags, fp32, activations unquantized."""
-    return dataclasses.replace(engine_args, dtype="float32", activation_quantization="none")
+    """The reference: the same model and engine flags, fp32, activations unquantized, the KV
+    cache in fp32 (auto would keep fp16 codes on an fp32 engine)."""
+    return dataclasses.replace(engine_args, dtype="float32", activation_quantization="none",
+                               kv_cache_dtype="fp32")
 
 
 def main(args: argparse.Namespace) -> dict:

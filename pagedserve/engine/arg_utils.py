@@ -54,21 +54,25 @@ KV_CACHE_DTYPE_CHOICES = (*KV_CACHE_DTYPES, "fp32")
 """--kv-cache-dtype: CacheConfig's names and fp32 (an fp32 engine's KV as it is computed)."""
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str,
+                           approximate_matmuls: bool = True) -> str:
     """CacheConfig.cache_dtype for --kv-cache-dtype on an engine computing in `dtype`.
 
-    auto: the compute dtype where it is 16-bit (vLLM's auto); an fp32 engine on the CPU keeps
-    fp16 codes instead, as llama.cpp keeps f16 KV: half the bytes its decode attention streams
-    (the batch-32 step's largest part after the matmuls, bound by memory bandwidth), with
-    perplexity within 0.01% of the fp32 cache (tests/attention/test_quantized_kv.py). fp32: the
-    fp32 cache (CacheConfig's "auto"); it needs an fp32 engine."""
+    auto: the compute dtype where it is 16-bit (vLLM's auto). An fp32 engine on the CPU whose
+    matmuls are approximate already (quantized weights, activations not kept exact) keeps fp16
+    codes instead, as llama.cpp keeps f16 KV: half the bytes its decode attention streams (the
+    batch-32 step's largest part after the matmuls, bound by memory bandwidth), a rounding far
+    below its int4 weights' and int8 activations' (perplexity within 0.01% of the fp32 cache
+    with exact activations: tests/attention/test_quantized_kv.py). Dense weights or
+    --activation-quantization none keep fp32 KV: theirs is the reference computation.
+    fp32: the fp32 cache (CacheConfig's "auto"); it needs an fp32 engine."""
     name = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
     if name == "fp32":
         if dtype != "float32":
             raise ValueError(f"--kv-cache-dtype fp32 keeps the KV in the compute dtype, which is "
                              f"{dtype}: pass --dtype float32 too, or choose auto")
         return "auto"
-    if name == "auto" and dtype == "float32" and device.startswith("cpu"):
+    if name == "auto" and dtype == "float32" and device.startswith("cpu") and approximate_matmuls:
         return "fp16"
     return name
 
@@ -289,6 +293,12 @@ class EngineArgs:
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                           max_cpu_loras=self.max_cpu_loras)
 
+    def _approximate_matmuls(self, model_path: str) -> bool:
+        """Whether the matmuls run on quantized weights with quantized activations (auto KV)."""
+        quantized_weights = (self.quantization in ("int4", "int8")
+                             or (self.quantization != "none" and model_path.endswith(".gguf")))
+        return quantized_weights and self.activation_quantization != "none"
+
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model)
         if self.tokenizer is not None and resolve_model_path(self.tokenizer) != model_path:
@@ -321,7 +331,8 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 cache_dtype=resolve_kv_cache_dtype(
-                    self.kv_cache_dtype, resolve_dtype(self.dtype, self.device), self.device),
+                    self.kv_cache_dtype, resolve_dtype(self.dtype, self.device), self.device,
+                    approximate_matmuls=self._approximate_matmuls(model_path)),
                 # KV tiers move whole blocks of every layer; a pipeline stage holds some layers
                 # and schedules ahead (blocks are let go of at scheduling)
                 hybrid_kv_cache=(not self.disable_hybrid_kv_cache_manager
@@ -448,7 +459,8 @@ class EngineArgs:
                                     help='JSON, e.g. {"kv_connector": "DiskConnector", '
                                          '"kv_connector_extra_config": {"path": "/tmp/kv"}}')
             elif f.name == "kv_cache_dtype":
-                parser.add_argument(flag, choices=KV_CACHE_DTYPE_CHOICES + tuple(KV_CACHE_DTYPE_ALIASES),
+                parser.add_argument(flag,
+                                    choices=KV_CACHE_DTYPE_CHOICES + tuple(KV_CACHE_DTYPE_ALIASES),
                                     default=f.default)
             elif f.name == "profiler_dir":
                 parser.add_argument(flag, type=str, default=f.default_factory(),

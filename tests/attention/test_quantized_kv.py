@@ -262,6 +262,19 @@ def test_engine_runs_on_quantized_kv_with_twice_the_blocks(tiny_model_dir, kv_dt
     quantized.engine.assert_idle()
 
 
+def test_auto_kv_on_dense_weights_is_the_fp32_cache(tiny_model_dir):
+    """An HF directory's dense weights in fp32 are the reference computation: auto keeps fp32
+    KV; quantized on load (--quantization int8) they take fp16 codes, as a GGUF does."""
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    def cache_dtype(**kwargs):
+        args = EngineArgs(model=str(tiny_model_dir), dtype="float32", **kwargs)
+        return args.create_engine_config().cache.cache_dtype
+
+    assert cache_dtype() == "auto"
+    assert cache_dtype(quantization="int8") == "fp16"
+
+
 def test_self_draft_keeps_its_kv_in_the_compute_dtype_beside_a_quantized_target(tiny_model_dir):
     """The self-draft runs the target's own layers (one backend) on its own compute-dtype cache;
     speculation stays lossless for greedy decoding."""

@@ -283,11 +283,23 @@ def test_kv_cache_dtype_resolves_per_compute_dtype(kv_cache_dtype, dtype, device
     assert resolve_kv_cache_dtype(kv_cache_dtype, dtype, device) == resolved
 
 
+def test_auto_kv_is_fp16_only_where_the_matmuls_are_approximate(model_path):
+    """GGUF weights with quantized activations: fp16; exact activations or dequantized weights:
+    the fp32 cache, the reference computation (dense HF weights: test_quantized_kv.py)."""
+    def cache_dtype(**kwargs):
+        return EngineArgs(model=model_path, **kwargs).create_engine_config().cache.cache_dtype
+
+    assert cache_dtype(dtype="float32") == "fp16"
+    assert cache_dtype(dtype="float32", activation_quantization="none") == "auto"
+    assert cache_dtype(dtype="float32", quantization="none") == "auto"
+    assert cache_dtype(dtype="bfloat16") == "auto"
+
+
 def test_fp32_kv_cache_needs_an_fp32_engine(model_path):
     with pytest.raises(ValueError, match="--kv-cache-dtype fp32 keeps the KV in the compute dtype"):
         EngineArgs(model=model_path, dtype="bfloat16", kv_cache_dtype="fp32").create_engine_config()
-    config = EngineArgs(model=model_path, dtype="float32", kv_cache_dtype="fp32").create_engine_config()
-    assert config.cache.cache_dtype == "auto"
+    args = EngineArgs(model=model_path, dtype="float32", kv_cache_dtype="fp32")
+    assert args.create_engine_config().cache.cache_dtype == "auto"
 
 
 def test_default_dtype_is_auto_resolved_for_this_machine(model_path):
