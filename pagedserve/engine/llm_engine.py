@@ -101,8 +101,10 @@ class LLMEngine:
         with startup_phase("KV pool") as phase:
             num_blocks = self.executor.determine_num_kv_blocks()
             self.executor.initialize_kv_cache(num_blocks)
+            kv_dtype = (config.device.dtype if config.cache.cache_dtype == "auto"
+                        else config.cache.cache_dtype)  # auto may have chosen fp16 codes
             phase.detail = (f"{num_blocks} blocks of {config.cache.block_size} tokens = "
-                            f"{num_blocks * config.cache.block_size} tokens"
+                            f"{num_blocks * config.cache.block_size} tokens of {kv_dtype} KV"
                             + describe_kv_cache_groups(
                                 config.model.kv_cache_layout(config.cache.hybrid_kv_cache)))
         with startup_phase("outliers") as phase:
