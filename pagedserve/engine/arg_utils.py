@@ -305,6 +305,7 @@ class EngineArgs:
             raise ValueError(f"--tokenizer {self.tokenizer!r} is not the model: pagedserve reads "
                              "the tokenizer from the model's own files")
         model_config = load_model_config(model_path)
+        dtype = resolve_dtype(self.dtype, self.device)  # the compute dtype (and the KV's, auto)
         if self.enable_lora and model_config.moe is not None:
             raise ValueError(f"LoRA adapters are not supported on a mixture-of-experts model "
                              f"({model_config.architecture})")
@@ -331,7 +332,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 cache_dtype=resolve_kv_cache_dtype(
-                    self.kv_cache_dtype, resolve_dtype(self.dtype, self.device), self.device,
+                    self.kv_cache_dtype, dtype, self.device,
                     approximate_matmuls=self._approximate_matmuls(model_path)),
                 # KV tiers move whole blocks of every layer; a pipeline stage holds some layers
                 # and schedules ahead (blocks are let go of at scheduling)
@@ -349,7 +350,7 @@ class EngineArgs:
                 async_scheduling=self._async_scheduling(speculative, parallel, kv_transfer),
             ),
             device=DeviceConfig(
-                device=self.device, dtype=resolve_dtype(self.dtype, self.device),
+                device=self.device, dtype=dtype,
                 num_threads=self.num_threads, seed=self.seed,
                 quantization=QUANTIZATION_ALIASES.get(self.quantization, self.quantization),
                 activation_quantization=self.activation_quantization,
