@@ -2914,6 +2914,12 @@ inline float max_of(const float* s, int64_t len) {
   __m512 top_v = _mm512_set1_ps(s[0]);
   for (; p + 16 <= len; p += 16) top_v = _mm512_max_ps(top_v, _mm512_loadu_ps(s + p));
   top = _mm512_reduce_max_ps(top_v);
+#elif defined(PAGEDSERVE_AVX2)
+  __m256 top_v = _mm256_set1_ps(s[0]);
+  for (; p + 8 <= len; p += 8) top_v = _mm256_max_ps(top_v, _mm256_loadu_ps(s + p));
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(top_v), _mm256_extractf128_ps(top_v, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  top = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
 #endif
   for (; p < len; ++p) top = std::max(top, s[p]);
   return top;
@@ -2923,6 +2929,21 @@ inline float max_of(const float* s, int64_t len) {
 inline void softmax_inplace(float* s, int64_t len) {
   const float inv = 1.f / exp_inplace(s, len, max_of(s, len));
   for (int64_t p = 0; p < len; ++p) s[p] *= inv;
+}
+
+// dst[i] = float(src[i]) * factor for n fp16 values: a run of a quantized cache's scales (one
+// block's consecutive slots), 8 at a time by F16C where c10::Half's conversion is scalar. The
+// same bits: the fp16 -> fp32 conversion is exact and the product rounds once either way.
+inline void widen_scales(const c10::Half* src, int64_t n, float factor, float* dst) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m256 factor_v = _mm256_set1_ps(factor);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(wide, factor_v));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * factor;
 }
 
 // A sequence longer than kSplitKeys is attended in slices of kSplitKeys keys (the last one
@@ -2982,16 +3003,20 @@ void paged_attention_impl(const T* q, int64_t q_token_stride, const C* key_cache
       r.key_scales.resize(r.len);
       r.value_scales.resize(r.len);
     }
-    // slot of key key_begin + i: block b's offset, walked without a division per key
+    // keys key_begin + i .. + run: consecutive slots of block b from `offset`
     for (int64_t i = 0, b = key_begin / block_size, offset = key_begin % block_size; i < r.len;
-         ++i, offset = offset + 1 == block_size ? 0 : offset + 1, b += offset == 0) {
-      const int64_t slot = blocks[b] * block_size + offset;
-      r.krows[i] = kh + slot * d;
-      r.vrows[i] = vh + slot * d;
-      if constexpr (kQuantized) {
-        r.key_scales[i] = static_cast<float>(key_scale[head_slots + slot]) * scale;
-        r.value_scales[i] = static_cast<float>(value_scale[head_slots + slot]);
+         ++b, offset = 0) {
+      const int64_t run = std::min(block_size - offset, r.len - i);
+      const int64_t first_slot = blocks[b] * block_size + offset;
+      for (int64_t j = 0; j < run; ++j) {
+        r.krows[i + j] = kh + (first_slot + j) * d;
+        r.vrows[i + j] = vh + (first_slot + j) * d;
       }
+      if constexpr (kQuantized) {
+        widen_scales(key_scale + head_slots + first_slot, run, scale, r.key_scales.data() + i);
+        widen_scales(value_scale + head_slots + first_slot, run, 1.f, r.value_scales.data() + i);
+      }
+      i += run;
     }
   };
   parallel_ranges(first_task[tokens], 1, [&](int64_t begin, int64_t end) {
