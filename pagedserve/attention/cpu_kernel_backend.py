@@ -3,7 +3,7 @@
 The kernels read the cache in place: decodes and short chunks (a sequence's at most
 KERNEL_MAX_TOKENS queries of a step) through `paged_attention`, longer prefill chunks through
 `prefill_attention`: bf16 on AVX512-BF16 (2-3x the torch paths), fp32 on AVX2 + FMA
-(csrc/prefill_attention_f32.h; 1.36-3.1x the torch paths on AMD EPYC Zen 3,
+(csrc/prefill_attention_f32.h; 1.36-3.8x the torch paths on AMD EPYC Zen 3,
 `pagedserve bench attention`; a quantized cache dequantized once per chunk). Where a step's
 shape is not theirs the torch functions of attention/paged.py run, exactly as that backend
 would: queries whose heads are not dense, prefill chunks whose dtype, cache or head_dim the

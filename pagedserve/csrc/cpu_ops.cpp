@@ -3572,7 +3572,14 @@ void dequantize_sequence(const C* codes, const c10::Half* scales, const int64_t*
       const float s = static_cast<float>(scales[slot]);
       const C* row = codes + slot * d;
       float* o = out + task * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = static_cast<float>(row[i]) * s;
+      int64_t i = 0;
+      // widened as the decode kernel loads codes (load8 / load16: exact), then one product
+#if defined(PAGEDSERVE_AVX512)
+      for (; i + 16 <= d; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(load16(row + i), _mm512_set1_ps(s)));
+#elif defined(PAGEDSERVE_AVX2)
+      for (; i + 8 <= d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(load8(row + i), _mm256_set1_ps(s)));
+#endif
+      for (; i < d; ++i) o[i] = static_cast<float>(row[i]) * s;
     }
   });
 }

@@ -45,6 +45,26 @@ inline void score_keys(const float* const* krows, const float* qt, int64_t d, fl
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(scores + (r * T + t) * kF32Lanes, acc[r][t]);
 }
 
+// r[j] lane l <- r[l] lane j: an 8 x 8 block of floats transposed in registers (a task's query
+// tokens sit in lanes, the cache's rows and the output's in memory order).
+inline void transpose8x8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
 struct F32Prefill {
   const float* q;  // (tokens, heads, d) rows q_token_stride apart
   int64_t q_token_stride;
@@ -73,14 +93,20 @@ void attend_f32_block(const F32Prefill& a, int64_t h, int64_t head0, int64_t t0,
   float* qt = scratch;
   float* out_t = qt + T * d * kF32Lanes;
   float* scores = out_t + T * d * kF32Lanes;
+  // qt: 8 dims of the 8 tokens at a time, transposed in registers (lanes past the chunk: zero
+  // queries, never stored)
+  const __m256 scale_v = _mm256_set1_ps(a.scale);
   for (int t = 0; t < T; ++t) {
-    for (int64_t lane = 0; lane < kF32Lanes; ++lane) {
-      if (lane >= n) {  // past the chunk: zero queries, never stored
-        for (int64_t i = 0; i < d; ++i) qt[(t * d + i) * kF32Lanes + lane] = 0.f;
-        continue;
+    for (int64_t i0 = 0; i0 < d; i0 += 8) {
+      __m256 r[8];
+      for (int64_t lane = 0; lane < kF32Lanes; ++lane) {
+        r[lane] = lane < n ? _mm256_mul_ps(_mm256_loadu_ps(a.q + (t0 + lane) * a.q_token_stride +
+                                                           (head0 + t) * d + i0),
+                                           scale_v)
+                           : _mm256_setzero_ps();
       }
-      const float* row = a.q + (t0 + lane) * a.q_token_stride + (head0 + t) * d;
-      for (int64_t i = 0; i < d; ++i) qt[(t * d + i) * kF32Lanes + lane] = row[i] * a.scale;
+      transpose8x8(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(qt + (t * d + i0 + j) * kF32Lanes, r[j]);
     }
   }
   const float* key_head = a.key_cache + h * a.head_stride;
@@ -144,13 +170,17 @@ void attend_f32_block(const F32Prefill& a, int64_t h, int64_t head0, int64_t t0,
         for (int j = 0; j < DV; ++j) _mm256_storeu_ps(out_t + (t * d + i0 + j) * kF32Lanes, acc[t][j]);
     }
   }
-  alignas(32) float lanes[kF32Lanes];
+  // out: 8 dims of the 8 tokens at a time, transposed back in registers (one store per token
+  // row, where a float per lane and dim read back a vector just stored)
   for (int t = 0; t < T; ++t) {
     const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), row_sum[t]);
-    for (int64_t i = 0; i < d; ++i) {
-      _mm256_store_ps(lanes, _mm256_mul_ps(_mm256_loadu_ps(out_t + (t * d + i) * kF32Lanes), inv));
+    for (int64_t i0 = 0; i0 < d; i0 += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j)
+        r[j] = _mm256_mul_ps(_mm256_loadu_ps(out_t + (t * d + i0 + j) * kF32Lanes), inv);
+      transpose8x8(r);
       for (int64_t lane = 0; lane < n; ++lane)
-        a.out[((t0 + lane) * a.heads + head0 + t) * d + i] = lanes[lane];
+        _mm256_storeu_ps(a.out + ((t0 + lane) * a.heads + head0 + t) * d + i0, r[lane]);
     }
   }
 }
