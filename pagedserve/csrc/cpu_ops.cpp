@@ -2618,9 +2618,10 @@ void group_weighted_rows(const T* const* rows, const float* w, int64_t heads, in
 }
 #endif
 
-// out[0..d) = sum_p w[p] * rows[p] (fp32).
+// out[0..d) = sum_p w[p] * rows[p] (fp32). ahead: see Ahead (AVX2).
 template <typename T>
-void weighted_sum(const T* const* rows, const float* w, int64_t len, int64_t d, float* out) {
+void weighted_sum(const T* const* rows, const float* w, int64_t len, int64_t d, float* out,
+                  const Ahead<T>& ahead = {}) {
 #ifdef PAGEDSERVE_AVX512
   if (d == 64) return head_weighted_rows<4, 1>(rows, w, len, out, 0);
   if (d == 128) return head_weighted_rows<8, 1>(rows, w, len, out, 0);
@@ -2630,9 +2631,11 @@ void weighted_sum(const T* const* rows, const float* w, int64_t len, int64_t d, 
       __m256 acc[8];
       for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
       for (int64_t p = 0; p < len; ++p) {
+        if (c0 == 0) prefetch_rows<2>(ahead.rows, p, p + 1, ahead.len, ahead.bytes);
         const __m256 wp = _mm256_set1_ps(w[p]);
         for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(wp, load8(rows[p] + c0 + 8 * c), acc[c]);
       }
+      if (c0 == 0) prefetch_rows<2>(ahead.rows, len, ahead.len, ahead.len, ahead.bytes);
       for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + c0 + 8 * c, acc[c]);
     }
     return;
@@ -2665,13 +2668,14 @@ inline void by_three_heads(int64_t heads, Run&& run) {
 // the rows outgrew L1 (300 rows of 64 fp16 values: 38 KB).
 template <int kHeads, typename C>
 inline void head_weighted_codes(const C* const* rows, const float* w, int64_t len, int64_t d,
-                                float* out, int64_t out_stride) {
+                                float* out, int64_t out_stride, const Ahead<C>& ahead = {}) {
   constexpr int kVectors = 4;  // 32 columns
   for (int64_t c0 = 0; c0 < d; c0 += 8 * kVectors) {
     __m256 acc[kHeads][kVectors];
     for (int h = 0; h < kHeads; ++h)
       for (int c = 0; c < kVectors; ++c) acc[h][c] = _mm256_setzero_ps();
     for (int64_t p = 0; p < len; ++p) {
+      if (c0 == 0) prefetch_rows<2>(ahead.rows, p, p + 1, ahead.len, ahead.bytes);
       __m256 wp[kHeads];
       for (int h = 0; h < kHeads; ++h) wp[h] = _mm256_set1_ps(w[h * len + p]);
       for (int c = 0; c < kVectors; ++c) {
@@ -2679,6 +2683,7 @@ inline void head_weighted_codes(const C* const* rows, const float* w, int64_t le
         for (int h = 0; h < kHeads; ++h) acc[h][c] = _mm256_fmadd_ps(wp[h], v, acc[h][c]);
       }
     }
+    if (c0 == 0) prefetch_rows<2>(ahead.rows, len, ahead.len, ahead.len, ahead.bytes);  // its rest
     for (int h = 0; h < kHeads; ++h)
       for (int c = 0; c < kVectors; ++c) _mm256_storeu_ps(out + h * out_stride + c0 + 8 * c, acc[h][c]);
   }
@@ -2697,13 +2702,15 @@ void group_weighted_sum(const T* const* rows, const float* w, int64_t heads, int
   if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, c10::BFloat16>) {
     if (d % 64 == 0) {  // codes: widened once for up to 3 heads (weighted_sum's bits)
       return by_three_heads(heads, [&](auto k, int64_t h) {
+        // the first heads' pass requests the next task's keys
         head_weighted_codes<decltype(k)::value>(rows, w + h * len, len, d, out + h * out_stride,
-                                                out_stride);
+                                                out_stride, h == 0 ? ahead : Ahead<T>{});
       });
     }
   }
 #endif
-  for (int64_t h = 0; h < heads; ++h) weighted_sum(rows, w + h * len, len, d, out + h * out_stride);
+  for (int64_t h = 0; h < heads; ++h)  // the first head's pass requests the next task's keys
+    weighted_sum(rows, w + h * len, len, d, out + h * out_stride, h == 0 ? ahead : Ahead<T>{});
 }
 
 // One query head's scores (AVX-512 builds score every head at once in group_attention_scores
@@ -2759,11 +2766,15 @@ inline void head_key_dots4(const float* q, const C* const* krows, int64_t count,
 // s[h * len + p] = (q_h . krows[p]) * scale_of(p) for kHeads heads: scale_of(p) is the softmax
 // scale, or against a quantized cache key p's scale times it (as attention_scores_codes
 // computes each head's, key_dots8's bits), each key's codes widened once for the kHeads heads.
+// vrows (or null): the value rows the value pass reads, requested into L2 as their keys are
+// scored (the cache's blocks lie anywhere in the pool: streams too short for the prefetcher).
 template <int kHeads, typename C, typename ScaleOf>
 inline void head_scores(const float* q, const C* const* krows, int64_t len, int64_t d,
-                        ScaleOf scale_of, float* s /* [kHeads][len] */) {
+                        ScaleOf scale_of, float* s /* [kHeads][len] */,
+                        const C* const* vrows = nullptr) {
   for (int64_t p0 = 0; p0 < len; p0 += 4) {
     const int64_t count = std::min<int64_t>(4, len - p0);
+    if (vrows) prefetch_rows<2>(vrows, p0, p0 + 4, len, d * static_cast<int64_t>(sizeof(C)));
     float sums[kHeads][4];
     head_key_dots4<kHeads>(q, krows + p0, count, d, sums);
     for (int h = 0; h < kHeads; ++h)
@@ -2808,7 +2819,8 @@ void group_attention_scores(const T* q, int64_t group, const T* const* krows, in
     if (d % 8 == 0) {
       return by_three_heads(group, [&](auto k, int64_t g) {
         head_scores<decltype(k)::value>(q + g * d, krows, len, d,
-                                        [scale](int64_t) { return scale; }, s + g * len);
+                                        [scale](int64_t) { return scale; }, s + g * len,
+                                        g == 0 ? vrows : nullptr);
       });
     }
   }
@@ -2872,7 +2884,7 @@ void group_attention_scores_codes(const float* q32, int64_t group, const C* cons
     return by_three_heads(group, [&](auto k, int64_t g) {
       head_scores<decltype(k)::value>(q32 + g * d, krows, len, d,
                                       [key_scales](int64_t p) { return key_scales[p]; },
-                                      s + g * len);
+                                      s + g * len, g == 0 ? vrows : nullptr);
     });
   }
 #endif
