@@ -215,6 +215,12 @@ inline float reduce_add8(__m256 v) {
   v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
   return _mm256_cvtss_f32(v);
 }
+// The largest of 8 floats (exact in any order).
+inline float reduce_max8(__m256 v) {
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -493,11 +499,9 @@ inline void quantize_row(const float* x, int64_t k, Q* q, float* scale, float* s
     const float* xg = x + g * kGroup;
     __m256 v[4];
     for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xg + 8 * j);
-    __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+    const float amax = reduce_max8(
+        _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
     const float d = amax / kMax, inv = amax > 0.f ? kMax / amax : 0.f;
     const __m256 inv_v = _mm256_set1_ps(inv);
     __m256i codes[4];
@@ -2445,9 +2449,7 @@ int64_t argmax_row(const T* x, int64_t n) {
     if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
     top_v = _mm256_max_ps(top_v, v);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top_v);
-  for (float lane : lanes) top = std::max(top, lane);
+  top = reduce_max8(top_v);
 #endif
   for (; i < n; ++i) {
     const float v = to_float(x[i]);
@@ -2974,9 +2976,7 @@ inline float max_of(const float* s, int64_t len) {
 #elif defined(PAGEDSERVE_AVX2)
   __m256 top_v = _mm256_set1_ps(s[0]);
   for (; p + 8 <= len; p += 8) top_v = _mm256_max_ps(top_v, _mm256_loadu_ps(s + p));
-  __m128 half = _mm_max_ps(_mm256_castps256_ps128(top_v), _mm256_extractf128_ps(top_v, 1));
-  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  top = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+  top = reduce_max8(top_v);
 #endif
   for (; p < len; ++p) top = std::max(top, s[p]);
   return top;
