@@ -159,6 +159,7 @@ def _add_bench(parser: argparse.ArgumentParser) -> None:
     from pagedserve.benchmarks import (
         attention,
         collectives,
+        decode_attention,
         matmul,
         peak,
         perplexity,
@@ -197,6 +198,11 @@ def _add_bench(parser: argparse.ArgumentParser) -> None:
         "attention", help="one request's prefill attention: the compiled kernel against torch's")
     attention.add_cli_args(attention_parser)
     attention_parser.set_defaults(func=attention.main)
+    decode_attention_parser = bench_commands.add_parser(
+        "decode-attention", help="a decode step's attention over a model's layers: the "
+                                 "compiled kernel against torch's")
+    decode_attention.add_cli_args(decode_attention_parser)
+    decode_attention_parser.set_defaults(func=decode_attention.main)
     perplexity_parser = bench_commands.add_parser(
         "perplexity", help="a model's perplexity on a text, and its drift from the exact engine")
     perplexity.add_cli_args(perplexity_parser)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 import sys
 
 import pytest
@@ -360,3 +361,51 @@ def test_bench_attention_times_the_kernel_beside_the_torch_path(capsys):
     table = capsys.readouterr().out.splitlines()
     assert "4 heads / 2 KV heads x 32" in table[0] and "torch / kernel" in table[1]
     assert [line.split()[:2] for line in table[2:]] == [["33", "0"], ["40", "9"]]
+
+
+@pytest.mark.parametrize("order", ["shuffled", "interleaved", "in-order"])
+def test_decode_bench_block_tables_place_every_block_once(order):
+    """Each order hands out blocks 1..N once (0 stays the pool's null block); interleaved puts
+    block position p of sequence i at p * sequences + i + 1, as a decode batch allocates them."""
+    from pagedserve.benchmarks.decode_attention import block_table
+
+    table = block_table(3, 4, order, torch.Generator().manual_seed(0))
+    assert table.shape == (3, 4)
+    assert sorted(table.flatten().tolist()) == list(range(1, 13))
+    if order == "interleaved":
+        assert table[1].tolist() == [2, 5, 8, 11]
+    if order == "in-order":
+        assert table[1].tolist() == [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+def test_bench_decode_attention_times_the_kernel_over_layers(cache_dtype, capsys, tmp_path):
+    """`pagedserve bench decode-attention` times the kernel over every layer's cache (cold), over
+    one layer's (warm), the torch path, and another build's kernel, whose output must equal this
+    build's bit for bit (here a copy of this build's file: loaded from its own path, it is a
+    module of its own); the kernel and torch differ by rounding only. Timings: only their
+    presence is checked."""
+    kernels = cpu_ops.load()
+    if kernels is None:
+        pytest.skip("the compiled CPU kernels are unavailable here")
+    from pagedserve.benchmarks import decode_attention
+    from pagedserve.benchmarks.matmul import load_kernels
+    from pagedserve.entrypoints.cli import build_parser
+
+    records = decode_attention.measure(
+        [(3, 21), (2, 40)], heads=4, kv_heads=2, head_dim=16, layers=3, cache_dtype=cache_dtype,
+        block_size=4, block_order="interleaved", iterations=2,
+        baseline=load_kernels(shutil.copy(kernels.__file__, tmp_path)))
+    assert [(r["sequences"], r["keys"]) for r in records] == [(3, 21), (2, 40)]
+    assert all(set(r["ms"]) == {"kernel", "warm", "torch", "base"} and min(r["ms"].values()) > 0
+               for r in records)
+    assert all(r["max_diff"] < 1e-4 for r in records)
+    per_key = 2 * 2 * 16 * (4 if cache_dtype == "auto" else 1 + 2 / 16)  # K, V; 2 KV heads
+    assert records[0]["cache_bytes"] == 3 * 21 * per_key
+    args = build_parser().parse_args(["bench", "decode-attention", "--cases", "2x30,4x17",
+                                      "--heads", "4/2", "--head-dim", "32", "--layers", "2",
+                                      "--iterations", "1", "--kv-cache-dtype", cache_dtype])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "4 heads / 2 KV heads x 32" in table[0] and "torch / kernel" in table[1]
+    assert [line.split()[:2] for line in table[2:]] == [["2", "30"], ["4", "17"]]
