@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import random
 import time
 from collections.abc import Callable
 from functools import partial
@@ -150,15 +151,22 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], qtype: str, iteratio
 
 
 def median_ms(calls: dict[str, Callable[[], object]], iterations: int) -> dict[str, float]:
-    """Each call's median milliseconds over `iterations` rounds after one warm-up, the calls
-    interleaved within each round (a slow spell of the machine lands on all of them)."""
+    """Each call's median milliseconds over `iterations` rounds, the calls interleaved within
+    each round (a slow spell of the machine lands on all of them), in a new order each round
+    (seeded), each timed call right after an untimed one of its own. A call timed always after
+    the same other call finds the machine as that one leaves it: a one-row product timed right
+    after the exact mode's ran 0.87-0.92x of the same product timed after another (an A/A
+    comparison, one build against a copy of itself, Zen 3), and such a bias had passed for a
+    change's effect."""
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for call in calls.values():
-        call()
+    order = list(calls)
+    shuffler = random.Random(0)
     for _ in range(iterations):
-        for name, call in calls.items():
+        shuffler.shuffle(order)
+        for name in order:
+            calls[name]()
             started = time.perf_counter()
-            call()
+            calls[name]()
             times[name].append(time.perf_counter() - started)
     return {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
 

@@ -822,12 +822,14 @@ inline void add_group_sums(const int32_t (*dots)[kDotGroups][16], int64_t g0, in
 
 constexpr int64_t kPrefetchGroups = 8;
 
-// One column block times kRows activation rows: out[r][0..15] (fp32).
-template <int kBits, typename Q, int kRows, typename S>
+// One column block times kRows activation rows: out[r][0..15] (fp32). kBits: the codes' range
+// (the AVX2 sums' form depends on it); kLayoutBits: their layout, 8 for codes widened to bytes
+// (widen_to_bytes).
+template <int kBits, typename Q, int kRows, typename S, int kLayoutBits = kBits>
 inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
                        int64_t groups, const Q* xq, const float* dx, const float* xsum,
                        const int32_t* qsum, int64_t k, float* out /* [kRows][16] */) {
-  constexpr int kChunks = kBits;  // 64-byte chunks per group
+  constexpr int kChunks = kLayoutBits;  // 64-byte chunks per group
 #ifdef PAGEDSERVE_VNNI
   __m512 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
@@ -836,7 +838,7 @@ inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
     const char* ahead = reinterpret_cast<const char*>(codes + (g + kPrefetchGroups) * kChunks * 64);
     for (int line = 0; line < kChunks; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
     __m512i w[16];
-    unpack_group<kBits, Q>(codes + g * kChunks * 64, w);
+    unpack_group<kLayoutBits, Q>(codes + g * kChunks * 64, w);
     const __m512 scale = load_scales(scales + g * 16);
     const __m512 minimum = load_scales(mins + g * 16);
     // the tile's rows interleaved (kActivationTile): group g's rows one after another
@@ -870,7 +872,7 @@ inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
             for (int line = 0; line < kChunks; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
           }
           __m256i quads[8];
-          unpack_group_avx2<kBits>(codes + g * kChunks * 64, h, quads);
+          unpack_group_avx2<kLayoutBits>(codes + g * kChunks * 64, h, quads);
           for (int r = 0; r < kRows; ++r)
             _mm256_store_si256(reinterpret_cast<__m256i*>(dots[r][i] + 8 * h),
                                group_dot_avx2<kBits, Q>(quads, xq + r * k + g * kGroup,
@@ -894,7 +896,7 @@ inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
           for (int line = 0; line < kChunks; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
         }
         __m256i quads[8];
-        unpack_group_avx2<kBits>(codes + g * kChunks * 64, h, quads);
+        unpack_group_avx2<kLayoutBits>(codes + g * kChunks * 64, h, quads);
         const __m256 scale = load8_scales(scales + g * 16 + 8 * h);
         const __m256 minimum = load8_scales(mins + g * 16 + 8 * h);
         for (int r = 0; r < kRows; ++r) {
@@ -917,7 +919,7 @@ inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
       const Q* xr = xq + r * k + g * kGroup;
       for (int col = 0; col < 16; ++col) {
         int32_t dot = 0;
-        for (int e = 0; e < kGroup; ++e) dot += code_at<kBits>(cg, col, e) * xr[e];
+        for (int e = 0; e < kGroup; ++e) dot += code_at<kLayoutBits>(cg, col, e) * xr[e];
         out[r * 16 + col] +=
             static_cast<float>(dot) * (scale_at(scales, g * 16 + col) * dx[r * groups + g]);
         out[r * 16 + col] += scale_at(mins, g * 16 + col) * xsum[r * groups + g];
@@ -927,13 +929,14 @@ inline void vnni_block(const uint8_t* codes, const S* scales, const S* mins,
 #endif
 }
 
-template <int kBits, typename Q, typename S>
+template <int kBits, typename Q, typename S, int kLayoutBits = kBits>
 void vnni_rows(int rows, const uint8_t* codes, const S* scales, const S* mins,
                int64_t groups, const Q* xq, const float* dx, const float* xsum,
                const int32_t* qsum, int64_t k, float* out) {
-#define PAGEDSERVE_ROWS_CASE(R) \
-  case R:                       \
-    return vnni_block<kBits, Q, R, S>(codes, scales, mins, groups, xq, dx, xsum, qsum, k, out);
+#define PAGEDSERVE_ROWS_CASE(R)                                                                 \
+  case R:                                                                                       \
+    return vnni_block<kBits, Q, R, S, kLayoutBits>(codes, scales, mins, groups, xq, dx, xsum, \
+                                                   qsum, k, out);
   switch (rows) {
     PAGEDSERVE_ROWS_CASE(8)
     PAGEDSERVE_ROWS_CASE(7)
@@ -943,7 +946,8 @@ void vnni_rows(int rows, const uint8_t* codes, const S* scales, const S* mins,
     PAGEDSERVE_ROWS_CASE(3)
     PAGEDSERVE_ROWS_CASE(2)
     default:
-      return vnni_block<kBits, Q, 1, S>(codes, scales, mins, groups, xq, dx, xsum, qsum, k, out);
+      return vnni_block<kBits, Q, 1, S, kLayoutBits>(codes, scales, mins, groups, xq, dx, xsum,
+                                                     qsum, k, out);
   }
 #undef PAGEDSERVE_ROWS_CASE
 }
@@ -961,6 +965,10 @@ constexpr int64_t kRowChunk = 128;  // rows whose quantized activations stay in 
 // overlaps the sums). The codes are the same bytes, so the integer sums and every output bit
 // are the 5-bit kernel's. The AMX kernel (amx_int8.h) widens 4- and 5-bit codes this way too:
 // its tiles load bytes.
+// On AVX2 the bytes keep the 5-bit codes' form of the sums (vnni_block's kLayoutBits = 8 with
+// kBits = 5: int16 partial sums, not the sign trick that codes up to 255 need): 1.51-1.78x at
+// 128-2,048 rows (`bench matmul --qtype int5`, Zen 3). 4-bit codes on bytes measured 0.90-1.06x
+// there: their unpacking is two operations per register, so they keep theirs.
 constexpr int64_t kBytePanelMinRows = kRowChunk;
 
 template <int kBits>
@@ -1369,7 +1377,7 @@ void quant_linear_impl(const QuantizedRows<Q>& xr, int64_t rows, int64_t k, cons
                           xr.sum.data() + r * groups, k, tile);
 #endif
         } else if (byte_panel) {
-          vnni_rows<8, Q, S>(tile_rows, byte_codes.data(), block_scales, block_mins, groups,
+          vnni_rows<kBits, Q, S, 8>(tile_rows, byte_codes.data(), block_scales, block_mins, groups,
                              xr.q.data() + r * k, xr.scale.data() + r * groups,
                              xr.sum.data() + r * groups, xr.qsum.data() + r * groups, k, tile);
         } else {
