@@ -1435,29 +1435,14 @@ void with_layout_types(int64_t bits, const torch::Tensor& scales, const torch::T
   }
 }
 
-#ifdef PAGEDSERVE_AVX2_INTEGER
-// Without VNNI, int8 activations times 8-bit codes need llama.cpp's sign trick (above
-// group_dot_avx2) and a widening per chunk: two multiplies and two other operations per 32
-// products, for each row. The int16 kernel's panels widen a block's codes once for all the rows,
-// and at 16 rows and more they beat it (`bench matmul --qtype int8`, AMD EPYC Zen 3, 2 threads:
-// SmolLM2's tied head 49152 x 576 at 32 rows 9.6 ms against 11.2, 960 x 576 at 2,048 rows 11.6
-// against 14.2; at 4 and 8 rows the sign trick is 1.15-1.2x faster). So from this many rows the
-// int8 codes are widened to int16 and run there: the integer sums are exact in both, the float
-// epilogue is the same, so the result is the same bits (tests/kernels compare them) and no row's
-// result depends on its batch.
-constexpr int64_t kWidenedInt8MinRows = 16;
-
-QuantizedRows<int16_t> widened_rows(QuantizedRows<int8_t> xr, int64_t count) {
-  RawArray<int16_t> q(count);
-  const int8_t* from = xr.q.data();
-  int16_t* to = q.data();
-  at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) to[i] = from[i];
-  });
-  return QuantizedRows<int16_t>{xr.tile, std::move(q), std::move(xr.scale), std::move(xr.sum),
-                                std::move(xr.qsum), std::move(xr.outlier_x)};
-}
-#endif
+// Without VNNI, int8 activations times 8-bit codes take llama.cpp's sign trick (above
+// group_dot_avx2) at every row count. From 16 rows they were once widened to int16 and run on
+// the int16 kernel's panels instead (the same integers and epilogue, so the same bits); with
+// `bench matmul`'s calls in a fixed order that had measured faster, but taken in a new order each
+// round the sign trick is as fast or faster: SmolLM2's tied head 49152 x 576 0.67-0.94x the
+// panels' time at 16-128 rows, 960 x 576 and 896 x 4864 0.77-1.13x at 64-2,048 (AMD EPYC Zen 3,
+// 2 threads, `--baseline-kernels`); in the model the batch-32 step's head took 11.1 / 12.0 ms
+// against 13.7 / 14.0 (`bench throughput --profile`, alternated).
 
 // tiles_mode: the int8 tiles' kernel where they apply (int8 rows, whole tiles of them).
 template <typename Q, typename T>
@@ -1473,21 +1458,6 @@ void quant_linear_dispatch(const T* x, int64_t rows, int64_t k, int64_t bits,
   if (tiles != TileMode::kOff) int8_tile_products.fetch_add(1, std::memory_order_relaxed);
   QuantizedRows<Q> xr = quantize_rows<Q>(
       x, rows, k, outliers, tiles != TileMode::kOff ? kTileRows : kActivationTile);
-#ifdef PAGEDSERVE_AVX2_INTEGER
-  if constexpr (std::is_same_v<Q, int8_t>) {
-    if (bits == 8 && rows >= kWidenedInt8MinRows) {
-      // int8 activations times 8-bit codes on many rows: the same integers, widened to words,
-      // through the int16 kernel's panels (see kWidenedInt8MinRows)
-      const QuantizedRows<int16_t> wide = widened_rows(std::move(xr), rows * k);
-      with_layout_types(bits, scales, mins, [&](auto width, auto* s, auto* m) {
-        using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
-        quant_linear_impl<decltype(width)::value, int16_t, S, T>(
-            wide, rows, k, codes, s, m, bias, n, y, outliers, gating, TileMode::kOff);
-      });
-      return;
-    }
-  }
-#endif
   with_layout_types(bits, scales, mins, [&](auto width, auto* s, auto* m) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
     quant_linear_impl<decltype(width)::value, Q, S, T>(xr, rows, k, codes, s, m, bias, n, y,

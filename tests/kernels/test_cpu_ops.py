@@ -165,10 +165,9 @@ def test_fp32_quant_linear_is_the_dense_product(qtype, k):
 
 
 # A row's bits may not depend on its batch. The batch sizes also choose the kernel: on AVX2 without
-# VNNI, int16 runs 8 or more rows on the widened-code panel and fewer by vnni_block, and int8 on
-# 8-bit codes (Q8_0) runs 16 or more rows widened to int16 on that panel and fewer by the sign
-# trick; 5-bit codes (Q5_1) on a chunk of 128 rows are widened to bytes once per block
-# (kBytePanelMinRows) and fewer rows unpack them per tile.
+# VNNI, int16 runs 8 or more rows on the widened-code panel and fewer by vnni_block; 5-bit codes
+# (Q5_1) on a chunk of 128 rows are widened to bytes once per block (kBytePanelMinRows) and fewer
+# rows unpack them per tile.
 @pytest.mark.parametrize("activation_bits", [quantized.EXACT_ACTIVATION_BITS, 16, 8])
 @pytest.mark.parametrize("qtype", [GQT.Q4_1, GQT.Q4_K, GQT.Q5_1, GQT.Q8_0], ids=lambda t: t.name)
 def test_quant_linear_gives_a_row_the_same_bits_in_any_batch(qtype, activation_bits):
