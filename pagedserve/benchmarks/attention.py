@@ -5,7 +5,7 @@ context), for one layer, at the prompt lengths and contexts a prefill meets.
 
 The cache is random, its blocks scattered as a busy pool's are; the two paths run interleaved call
 by call, so a slow spell of the machine lands on both, and each figure is the median of
-`--iterations` calls after one warm-up. GFLOP/s counts the causal products only: 4 * heads *
+`--iterations` calls (matmul.median_ms). GFLOP/s counts the causal products only: 4 * heads *
 head_dim per (query, key it sees). "max diff" is the largest absolute difference between the two
 outputs (they sum in different orders). `--compare-tiles` also times the kernel with the AMX tiles
 off (a copy of this build's module, loaded beside it), where this process has them on.

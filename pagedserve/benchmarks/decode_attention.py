@@ -14,7 +14,7 @@ turn), or one sequence's after another ("in-order").
 
 The caches are random, quantized by the engine's own quantize_kv where `--kv-cache-dtype` asks.
 Every path runs interleaved call by call (a slow spell of the machine lands on all of them);
-each figure is the median of `--iterations` calls after one warm-up, per layer. GB/s: the
+each figure is the median of `--iterations` calls, per layer (matmul.median_ms). GB/s: the
 cache's bytes (codes and scales) over the cold time. "max diff" is the largest absolute
 difference between the kernel's and torch's outputs (they sum in different orders).
 `--baseline-kernels` times another build's kernel beside this one ("base"), whose output must
@@ -109,10 +109,13 @@ def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: i
         meta = build_attention_metadata([(ids, keys - 1, keys) for ids in table.tolist()],
                                         block_size, caches, torch.device("cpu"))
 
+        def attend(module, cache):
+            return module.paged_attention(q, cache[0], cache[1], table, rows, lens, scale,
+                                          *cache[2:])
+
         def kernel_pass(module, layer_caches):
             for cache in layer_caches:
-                module.paged_attention(q, cache[0], cache[1], table, rows, lens, scale,
-                                       *cache[2:])
+                attend(module, cache)
 
         def torch_pass():
             for cache in caches:
@@ -122,12 +125,10 @@ def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: i
                  "warm": partial(kernel_pass, ops, caches[:1] * layers),
                  "torch": torch_pass}
         first = caches[0]
-        out = ops.paged_attention(q, first[0], first[1], table, rows, lens, scale, *first[2:])
+        out = attend(ops, first)
         if baseline is not None:
             calls["base"] = partial(kernel_pass, baseline, caches)
-            base_out = baseline.paged_attention(q, first[0], first[1], table, rows, lens, scale,
-                                                *first[2:])
-            if not torch.equal(base_out, out):
+            if not torch.equal(attend(baseline, first), out):
                 raise RuntimeError(f"the baseline kernel's output differs from this build's at "
                                    f"{sequences} x {keys} keys")
         diff = (out - decode_attention(q, first, meta, scale)).abs().max().item()

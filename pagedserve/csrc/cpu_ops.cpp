@@ -966,9 +966,9 @@ constexpr int64_t kRowChunk = 128;  // rows whose quantized activations stay in 
 // are the 5-bit kernel's. The AMX kernel (amx_int8.h) widens 4- and 5-bit codes this way too:
 // its tiles load bytes.
 // On AVX2 the bytes keep the 5-bit codes' form of the sums (vnni_block's kLayoutBits = 8 with
-// kBits = 5: int16 partial sums, not the sign trick that codes up to 255 need): 1.51-1.78x at
-// 128-2,048 rows (`bench matmul --qtype int5`, Zen 3). 4-bit codes on bytes measured 0.90-1.06x
-// there: their unpacking is two operations per register, so they keep theirs.
+// kBits = 5: int16 partial sums, not the sign trick that codes up to 255 need): int8 1.56-1.71x
+// at 128 and 512 rows (`bench matmul --qtype int5`, AMD EPYC Zen 3). 4-bit codes on bytes
+// measured 0.87-1.01x there: their unpacking is two operations per register, so they keep theirs.
 constexpr int64_t kBytePanelMinRows = kRowChunk;
 
 template <int kBits>
