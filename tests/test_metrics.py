@@ -12,7 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.core.stats import SchedulerStats, SpecDecodingStats
-from pagedserve.metrics import LoggingStatLogger, PrometheusStatLogger, build_1_2_5_buckets
+from pagedserve.logging_stat_logger import LoggingStatLogger
+from pagedserve.metrics import PrometheusStatLogger, build_1_2_5_buckets
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 MODEL = "tiny"
@@ -289,7 +290,7 @@ def test_logging_stat_logger_line(caplog):
     """vLLM's periodic line from a scripted run: figures over each interval, one INFO line when
     the engine goes idle, then silence until work comes back."""
     stat_logger = LoggingStatLogger(interval_s=10.0)
-    caplog.set_level(logging.INFO, logger="pagedserve.metrics")
+    caplog.set_level(logging.INFO, logger="pagedserve.logging_stat_logger")
 
     def lines() -> list[str]:
         found = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
@@ -340,7 +341,7 @@ def test_logging_stat_logger_line(caplog):
 
 def test_logging_stat_logger_spec_decoding_line(caplog):
     stat_logger = LoggingStatLogger(interval_s=5.0)
-    caplog.set_level(logging.INFO, logger="pagedserve.metrics")
+    caplog.set_level(logging.INFO, logger="pagedserve.logging_stat_logger")
     spec = SpecDecodingStats()
     spec.observe(3, 3)
     stat_logger.record_step(stats(spec_decoding=spec.copy()), 0.0)  # before the interval

@@ -1,4 +1,4 @@
-"""What the scheduler counts, handed to the stat loggers (metrics.py) and the benchmarks.
+"""What the scheduler counts, handed to the stat loggers (metrics.py, logging_stat_logger.py) and the benchmarks.
 
 Plain data: the scheduler fills it, the engine adds what it owns (structured output), and nothing
 here knows how it is exported.
@@ -10,6 +10,13 @@ from dataclasses import dataclass, field
 
 from pagedserve.kv_transfer.base import KVTierStats
 from pagedserve.structured_output.stats import StructuredOutputStats
+
+
+def counter_growth(value: float, last: float) -> float:
+    """How much a cumulative counter grew since it read `last`. A smaller value means the counters
+    restarted from zero (a new engine behind the reader); Prometheus counts that as a reset, so all
+    of it is new."""
+    return value - last if value >= last else value
 
 
 @dataclass
