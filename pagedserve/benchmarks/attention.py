@@ -9,6 +9,10 @@ by call, so a slow spell of the machine lands on both, and each figure is the me
 head_dim per (query, key it sees). "max diff" is the largest absolute difference between the two
 outputs (they sum in different orders). `--compare-tiles` also times the kernel with the AMX tiles
 off (a copy of this build's module, loaded beside it), where this process has them on.
+`--baseline-kernels` times another build's kernel beside this one ("base"; "base diff": the largest
+difference between the two builds' outputs, 0 when a change keeps the bits). Against a copy of the
+same build (Zen 3, 2 threads, `--iterations 15`) "base / kernel" read 0.98-1.10x: a smaller
+difference on chunks of a few milliseconds is noise.
 """
 
 from __future__ import annotations
@@ -36,13 +40,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="torch threads (default: torch's)")
     parser.add_argument("--compare-tiles", action="store_true",
                         help="also the kernel with the AMX tiles off (column 'untiled')")
+    parser.add_argument("--baseline-kernels", metavar="PATH",
+                        help="another build's _cpu_ops*.so, timed beside this build's "
+                             "(column 'base')")
 
 
 def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
             dtype: torch.dtype, block_size: int, iterations: int, seed: int = 0,
-            untiled=None) -> list[dict]:
+            untiled=None, baseline=None) -> list[dict]:
     """One record per (tokens, context): median ms of "kernel" and "torch" (and "untiled": the
-    `untiled` module's kernel), the max difference."""
+    `untiled` module's kernel; "base": the `baseline` module's), the max difference between the
+    kernel and torch (and "base_diff": between the kernel and the baseline's)."""
     from pagedserve.attention.cpu_kernel_backend import PREFILL_KERNEL_HEAD_DIMS
     from pagedserve.attention.metadata import build_attention_metadata
     from pagedserve.attention.paged import gathered_prefill_attention
@@ -76,12 +84,17 @@ def measure(cases: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: i
             "torch": partial(gathered_prefill_attention, q, (key_cache, value_cache), meta, 0,
                              scale),
         }
-        if untiled is not None:
-            calls["untiled"] = partial(untiled.prefill_attention, q, key_cache, value_cache,
-                                       table, context, scale)
-        diff = (calls["kernel"]().float() - calls["torch"]().float()).abs().max().item()
-        records.append({"tokens": tokens, "context": context, "max_diff": diff,
-                        "ms": median_ms(calls, iterations)})
+        for name, module in (("untiled", untiled), ("base", baseline)):
+            if module is not None:
+                calls[name] = partial(module.prefill_attention, q, key_cache, value_cache, table,
+                                      context, scale)
+        out = calls["kernel"]().float()
+        record = {"tokens": tokens, "context": context,
+                  "max_diff": (out - calls["torch"]().float()).abs().max().item()}
+        if baseline is not None:
+            record["base_diff"] = (out - calls["base"]().float()).abs().max().item()
+        record["ms"] = median_ms(calls, iterations)
+        records.append(record)
     return records
 
 
@@ -90,19 +103,21 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     cases = [tuple(int(v) for v in case.split("+")) for case in args.cases.split(",")]
     heads, kv_heads = (int(v) for v in args.heads.split("/"))
-    from pagedserve.benchmarks.matmul import untiled_copy
+    from pagedserve.benchmarks.matmul import load_kernels, untiled_copy
     from pagedserve.kernels import cpu_ops
 
     untiled = untiled_copy() if args.compare_tiles else None
+    baseline = load_kernels(args.baseline_kernels) if args.baseline_kernels else None
     records = measure(cases, heads, kv_heads, args.head_dim, DTYPES[args.dtype],
-                      args.block_size, args.iterations, untiled=untiled)
-    names = ["kernel", "torch"] + (["untiled"] if untiled else [])
+                      args.block_size, args.iterations, untiled=untiled, baseline=baseline)
+    names = ["kernel", "torch"] + (["untiled"] if untiled else []) + (["base"] if baseline else [])
     print(f"{cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}, {heads} heads / "
           f"{kv_heads} KV heads x {args.head_dim}, tiles {cpu_ops.load().tiles()}; one layer, "
           f"median of {args.iterations} calls, ms (GFLOP/s)")
     print(f"{'tokens':>7}{'context':>9}" + "".join(f"{name:>18}" for name in names)
           + f"{'torch / kernel':>16}" + (f"{'untiled / kernel':>18}" if untiled else "")
-          + f"{'max diff':>11}")
+          + (f"{'base / kernel':>15}" if baseline else "") + f"{'max diff':>11}"
+          + (f"{'base diff':>11}" if baseline else ""))
     for record in records:
         tokens, context = record["tokens"], record["context"]
         seen = tokens * context + tokens * (tokens + 1) // 2  # (query, key) pairs, causal
@@ -110,6 +125,8 @@ def main(args: argparse.Namespace) -> int:
         ms = record["ms"]
         cells = "".join(f" {ms[name]:>9.3f} ({flop / ms[name] / 1e6:>5.0f})" for name in names)
         tiles = f"{ms['untiled'] / ms['kernel']:>17.2f}x" if untiled else ""
-        print(f"{tokens:>7}{context:>9}{cells}{ms['torch'] / ms['kernel']:>15.2f}x{tiles}"
-              f"{record['max_diff']:>11.1e}")
+        base = f"{ms['base'] / ms['kernel']:>14.2f}x" if baseline else ""
+        base_diff = f"{record['base_diff']:>11.1e}" if baseline else ""
+        print(f"{tokens:>7}{context:>9}{cells}{ms['torch'] / ms['kernel']:>15.2f}x{tiles}{base}"
+              f"{record['max_diff']:>11.1e}{base_diff}")
     return 0

@@ -341,26 +341,32 @@ def test_fp32_prefill_kernel_reads_no_key_past_its_chunk():
     assert torch.isfinite(out).all()
 
 
-def test_bench_attention_times_the_kernel_beside_the_torch_path(capsys):
-    """`pagedserve bench attention` times both paths on each chunk and prints a row per case
-    (timings: only their presence is checked) with the two outputs' difference, which must be
-    rounding only."""
-    _prefill_kernel_or_skip()
+def test_bench_attention_times_the_kernel_beside_the_torch_path(capsys, tmp_path):
+    """`pagedserve bench attention` times both paths on each chunk, and another build's kernel
+    (here a copy of this build's file: loaded from its own path, it is a module of its own, and
+    its output equals this build's bit for bit), and prints a row per case (timings: only their
+    presence is checked) with the outputs' difference to torch's, which must be rounding only."""
+    kernels = _prefill_kernel_or_skip()
     from pagedserve.benchmarks import attention
+    from pagedserve.benchmarks.matmul import load_kernels
     from pagedserve.entrypoints.cli import build_parser
 
+    copy = shutil.copy(kernels.__file__, tmp_path)
     records = attention.measure([(40, 0), (35, 21)], heads=6, kv_heads=2, head_dim=16,
-                                dtype=torch.float32, block_size=4, iterations=2)
+                                dtype=torch.float32, block_size=4, iterations=2,
+                                baseline=load_kernels(copy))
     assert [(r["tokens"], r["context"]) for r in records] == [(40, 0), (35, 21)]
-    assert all(set(r["ms"]) == {"kernel", "torch"} and min(r["ms"].values()) > 0
+    assert all(set(r["ms"]) == {"kernel", "torch", "base"} and min(r["ms"].values()) > 0
                for r in records)
-    assert all(r["max_diff"] < 1e-4 for r in records)
+    assert all(r["max_diff"] < 1e-4 and r["base_diff"] == 0 for r in records)
     args = build_parser().parse_args(["bench", "attention", "--cases", "33+0,40+9", "--heads",
-                                      "4/2", "--head-dim", "32", "--iterations", "1"])
+                                      "4/2", "--head-dim", "32", "--iterations", "1",
+                                      "--baseline-kernels", copy])
     assert args.func(args) == 0
     table = capsys.readouterr().out.splitlines()
-    assert "4 heads / 2 KV heads x 32" in table[0] and "torch / kernel" in table[1]
+    assert "4 heads / 2 KV heads x 32" in table[0] and "base / kernel" in table[1]
     assert [line.split()[:2] for line in table[2:]] == [["33", "0"], ["40", "9"]]
+    assert all(line.split()[-1] == "0.0e+00" for line in table[2:])  # base diff: same bits
 
 
 @pytest.mark.parametrize("order", ["shuffled", "interleaved", "in-order"])
