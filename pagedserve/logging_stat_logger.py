@@ -56,10 +56,10 @@ class LoggingStatLogger:
                 self._last_log_time, self._at_last_log = now, self._snapshot(stats)
             previous = self._last_stats
             queries = counter_growth(stats.prefix_cache_queries,
-                                      previous.prefix_cache_queries if previous else 0)
+                                     previous.prefix_cache_queries if previous else 0)
             if queries > 0:
                 hits = counter_growth(stats.prefix_cache_hits,
-                                       previous.prefix_cache_hits if previous else 0)
+                                      previous.prefix_cache_hits if previous else 0)
                 self._hit_window.append((queries, hits))
             self._last_stats = self._snapshot(stats)
             if now - self._last_log_time >= self.interval_s:
@@ -88,9 +88,9 @@ class LoggingStatLogger:
         stats, start = self._last_stats, self._at_last_log
         elapsed = now - self._last_log_time
         prompt_throughput = counter_growth(stats.num_prompt_tokens_computed,
-                                            start.num_prompt_tokens_computed) / elapsed
+                                           start.num_prompt_tokens_computed) / elapsed
         generation_throughput = counter_growth(stats.num_generation_tokens,
-                                                start.num_generation_tokens) / elapsed
+                                               start.num_generation_tokens) / elapsed
         num_preemptions = counter_growth(stats.num_preemptions, start.num_preemptions)
         idle = not any((prompt_throughput, generation_throughput, *self._last_throughputs,
                         stats.num_running_reqs, stats.num_waiting_reqs))

@@ -1,4 +1,5 @@
-"""What the scheduler counts, handed to the stat loggers (metrics.py, logging_stat_logger.py) and the benchmarks.
+"""What the scheduler counts, handed to the stat loggers (metrics.py, logging_stat_logger.py) and
+the benchmarks.
 
 Plain data: the scheduler fills it, the engine adds what it owns (structured output), and nothing
 here knows how it is exported.

@@ -56,8 +56,8 @@ from pagedserve.entrypoints.openai.serving_embeddings import EmbeddingServing
 from pagedserve.entrypoints.openai.serving_lora import LoRAServing
 from pagedserve.entrypoints.openai.serving_responses import ResponsesRequest, ResponsesServing
 from pagedserve.entrypoints.openai.debug_routes import MemoryGauges, add_debug_routes
-from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedserve.logging_stat_logger import LoggingStatLogger
+from pagedserve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.observability.live_stats import LiveStats
 from pagedserve.observability.startup import log_listening
